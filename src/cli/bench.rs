@@ -1,0 +1,148 @@
+//! `turnwise bench`: prefill and decode speed of Turnwise's engine (hidden-state capture and
+//! per-token log-prob bookkeeping on) against llama.cpp through the same crate with nothing
+//! extra, in the same process, on the same prompt tokens.
+
+use std::num::NonZeroU32;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::Context as _;
+use clap::Args;
+use llama_cpp_2::context::params::LlamaContextParams;
+use llama_cpp_2::llama_backend::LlamaBackend;
+use llama_cpp_2::llama_batch::LlamaBatch;
+use llama_cpp_2::model::params::LlamaModelParams;
+use llama_cpp_2::model::LlamaModel;
+use llama_cpp_2::sampling::LlamaSampler;
+use llama_cpp_2::token::LlamaToken;
+use turnwise::policy::{Message, Role, SamplerParams};
+use turnwise::Engine;
+
+use super::ModelArgs;
+
+/// Options of `turnwise bench`.
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Approximate prompt length in tokens
+    #[arg(long, default_value_t = 256)]
+    prompt_tokens: usize,
+    /// Tokens generated per measurement
+    #[arg(long, default_value_t = 128)]
+    decode_tokens: usize,
+    /// Repetitions (the median is reported)
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs the benchmark and prints a table.
+///
+/// # Errors
+/// Model loading or decoding errors.
+pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
+    let cfg = args.model.engine_config(verbose)?;
+    let engine = Engine::start(cfg.clone())?;
+    let mut plain_cfg = cfg.clone();
+    plain_cfg.capture_hidden = false;
+    let engine_nocap = Engine::start(plain_cfg)?;
+
+    let filler = "Please tell me about the status of my order and the refund policy of your shop. ";
+    let words = filler.split_whitespace().count();
+    let user: String = filler.repeat((args.prompt_tokens / (words + 2)).max(1));
+    let params = SamplerParams {
+        max_tokens: args.decode_tokens,
+        ignore_eog: true,
+        ..Default::default()
+    };
+
+    // plain llama.cpp through llama-cpp-2's safe API
+    let backend = LlamaBackend::init().context("llama backend")?;
+    let model = LlamaModel::load_from_file(&backend, &cfg.model, &LlamaModelParams::default())?;
+    let cparams = LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(cfg.n_ctx))
+        .with_n_batch(cfg.n_batch)
+        .with_n_ubatch(cfg.n_batch)
+        .with_n_threads(cfg.n_threads)
+        .with_n_threads_batch(cfg.n_threads);
+    let mut ctx = model.new_context(&backend, cparams)?;
+
+    let (mut e_pre, mut e_dec, mut n_pre, mut n_dec, mut p_pre, mut p_dec) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for rep in 0..args.reps {
+        // a distinct system line per repetition defeats the engine's prefix cache
+        let msgs = vec![
+            Message::new(Role::System, format!("Session {rep}. You are a support agent.")),
+            Message::new(Role::User, user.clone()),
+        ];
+        let key = 1_000_000 + rep as u64;
+        for (eng, pre, dec) in [(&engine, &mut e_pre, &mut e_dec), (&engine_nocap, &mut n_pre, &mut n_dec)] {
+            let g = eng.generate(key, msgs.clone(), SamplerParams { seed: rep as u64, ..params.clone() }, None)?;
+            pre.push(g.reply.prefill_tokens as f64 / (g.reply.prefill_ms / 1e3));
+            // the first token comes from the prefill; the rest are decode steps
+            dec.push((g.reply.tokens.len() - 1) as f64 / (g.reply.decode_ms / 1e3));
+            eng.close(key);
+        }
+        let tokens = engine_nocap.session_tokens(key).unwrap_or_default();
+        let prompt: Vec<i32> = if tokens.is_empty() {
+            let g = engine.generate(key, msgs.clone(), SamplerParams { max_tokens: 1, ..params.clone() }, None)?;
+            let t = engine.session_tokens(key)?;
+            engine.close(key);
+            t[..g.reply.context_len].to_vec()
+        } else {
+            tokens
+        };
+
+        ctx.clear_kv_cache();
+        let t0 = Instant::now();
+        let mut batch = LlamaBatch::new(cfg.n_batch as usize, 1);
+        let mut pos = 0usize;
+        for chunk in prompt.chunks(cfg.n_batch as usize) {
+            batch.clear();
+            for (i, &t) in chunk.iter().enumerate() {
+                let last = pos + i + 1 == prompt.len();
+                batch.add(LlamaToken(t), (pos + i) as i32, &[0], last)?;
+            }
+            ctx.decode(&mut batch)?;
+            pos += chunk.len();
+        }
+        p_pre.push(prompt.len() as f64 / t0.elapsed().as_secs_f64());
+        let mut sampler = LlamaSampler::chain_simple([
+            LlamaSampler::top_k(params.top_k as i32),
+            LlamaSampler::top_p(params.top_p, 1),
+            LlamaSampler::temp(params.temperature),
+            LlamaSampler::dist(rep as u32),
+        ]);
+        let mut idx = batch.n_tokens() - 1;
+        let t1 = Instant::now();
+        for k in 0..args.decode_tokens {
+            let tok = sampler.sample(&ctx, idx);
+            sampler.accept(tok);
+            if k + 1 == args.decode_tokens {
+                break;
+            }
+            batch.clear();
+            batch.add(tok, pos as i32, &[0], true)?;
+            ctx.decode(&mut batch)?;
+            pos += 1;
+            idx = 0;
+        }
+        p_dec.push((args.decode_tokens - 1) as f64 / t1.elapsed().as_secs_f64());
+    }
+    drop(engine);
+    drop(engine_nocap);
+    let (ep, ed, np, nd, pp, pd) = (median(e_pre), median(e_dec), median(n_pre), median(n_dec), median(p_pre), median(p_dec));
+    println!("model {} · {} threads · prompt ~{} tokens · {} decode tokens · median of {} reps", cfg.model.display(), cfg.n_threads, args.prompt_tokens, args.decode_tokens, args.reps);
+    println!("{:<44} {:>12} {:>12}", "", "prefill t/s", "decode t/s");
+    println!("{:<44} {:>12.1} {:>12.1}", "llama.cpp via llama-cpp-2 (nothing extra)", pp, pd);
+    println!("{:<44} {:>12.1} {:>12.1}", "turnwise engine, hidden capture + logging", ep, ed);
+    println!("{:<44} {:>12.1} {:>12.1}", "turnwise engine, no hidden capture", np, nd);
+    println!("{:<44} {:>12.3} {:>12.3}", "ratio turnwise (capture) / plain", ep / pp, ed / pd);
+    drop(backend);
+    Ok(ExitCode::SUCCESS)
+}

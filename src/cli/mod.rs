@@ -1,0 +1,113 @@
+//! Command-line interface: one file per subcommand, each with a `run`.
+
+mod bench;
+mod chat;
+mod fetch;
+mod gc;
+mod import;
+mod sessions;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use turnwise::{assets, config, Engine, EngineConfig};
+
+/// Turnwise: a chat agent that learns from its own conversations, on your device.
+#[derive(Parser)]
+#[command(name = "turnwise", version, about)]
+pub struct Cli {
+    /// SQLite database of the turn log [env: TURNWISE_DB; default: ~/.local/share/turnwise/turnwise.db]
+    #[arg(long, global = true)]
+    db: Option<PathBuf>,
+    /// Show debug logs, llama.cpp's included
+    #[arg(short, long, global = true)]
+    verbose: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Chat with the model in the terminal; every turn is logged (input may be piped)
+    Chat(chat::ChatArgs),
+    /// Import JSON Lines chat logs for offline replay
+    Import(import::ImportArgs),
+    /// Export logged sessions as JSON Lines (the import format, with outcomes and annotations)
+    Export(import::ExportArgs),
+    /// Download and verify the default model and ONNX Runtime into the cache
+    Fetch(fetch::FetchArgs),
+    /// Drop the hidden-state features of old sessions that have been learned from
+    Gc(gc::GcArgs),
+    /// List or show logged sessions, and storage statistics
+    Sessions(sessions::SessionsArgs),
+    /// Measure prefill and decode speed: Turnwise's engine against plain llama.cpp
+    Bench(bench::BenchArgs),
+}
+
+/// Options shared by every command that loads the model.
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// GGUF model file [env: TURNWISE_MODEL; default: SmolLM2-135M-Instruct Q4_1, fetched on first use]
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Context window in tokens
+    #[arg(long, default_value_t = config::DEFAULT_CTX)]
+    ctx: u32,
+    /// CPU threads for llama.cpp (log-probs depend on it; keep it fixed)
+    #[arg(long, default_value_t = config::DEFAULT_THREADS)]
+    threads: i32,
+    /// Chat template override: a llama.cpp built-in name (e.g. chatml) or template text
+    #[arg(long)]
+    template: Option<String>,
+}
+
+impl ModelArgs {
+    fn engine_config(&self, verbose: bool) -> turnwise::Result<EngineConfig> {
+        let path = assets::resolve_model(self.model.as_deref(), false)?;
+        let mut c = EngineConfig::new(path);
+        c.n_ctx = self.ctx;
+        c.n_threads = self.threads;
+        c.template = self.template.clone();
+        c.verbose = verbose;
+        Ok(c)
+    }
+
+    fn start(&self, verbose: bool) -> turnwise::Result<Engine> {
+        Engine::start(self.engine_config(verbose)?)
+    }
+}
+
+fn db_path(cli_db: &Option<PathBuf>) -> PathBuf {
+    cli_db.clone().unwrap_or_else(config::default_db)
+}
+
+/// Runs the CLI and returns the process exit code.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = if cli.verbose { "debug" } else { "warn" };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TURNWISE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let db = db_path(&cli.db);
+    let result = match cli.cmd {
+        Cmd::Chat(a) => chat::run(a, &db, cli.verbose),
+        Cmd::Import(a) => import::run(a, &db, cli.verbose),
+        Cmd::Export(a) => import::export(a, &db),
+        Cmd::Fetch(a) => fetch::run(a),
+        Cmd::Gc(a) => gc::run(a, &db),
+        Cmd::Sessions(a) => sessions::run(a, &db),
+        Cmd::Bench(a) => bench::run(a, cli.verbose),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! # Turnwise
+//!
+//! A chat agent that learns from its own conversations on the device it runs on.
+//!
+//! - [`policy`]: the GGUF model on llama.cpp, owned by one engine thread; sessions as token
+//!   sequences that only grow; a sampler that records exact behaviour log-probs and the hidden
+//!   state of every sampled position; `base_logits(h)` to recompute logits without llama.cpp.
+//! - [`store`]: the SQLite turn log (sessions, turns, tokens, features, feedback, annotations,
+//!   adapters), migrations applied on open.
+//! - [`session`]: glue that turns an engine generation into store rows.
+//! - [`replay`]: import and export of JSON Lines chat logs (offline replay).
+//! - [`assets`]: first-use provisioning of the default model and ONNX Runtime from PyPI wheels.
+//! - [`config`]: resolved paths and defaults.
+
+pub mod assets;
+pub mod config;
+pub mod error;
+pub mod policy;
+pub mod replay;
+pub mod session;
+pub mod store;
+
+pub use error::{Error, Result};
+pub use policy::{Engine, EngineConfig, Message, Role, SamplerParams};
+pub use store::{Source, Store};

@@ -1,0 +1,247 @@
+//! Conversations as token sequences that only grow (token-in-token-out).
+//!
+//! A session's context is the concatenation of the tokens of its turns. A new message is appended
+//! as the tokens of the text the chat template adds for it: we render the whole conversation,
+//! check that it still starts with the text our stored tokens stand for, and tokenise only the
+//! new suffix. Earlier text is never tokenised again. If a template is not append-only (the new
+//! rendering does not extend the old one), the conversation is re-tokenised from the full
+//! rendering and the turn is flagged `retokenized`.
+
+use serde::{Deserialize, Serialize};
+
+use super::llama::{Model, Token};
+use crate::error::{Error, Result};
+
+/// Who wrote a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// instructions for the assistant
+    System,
+    /// the customer / user
+    User,
+    /// the policy
+    Assistant,
+    /// a tool's result
+    Tool,
+}
+
+impl Role {
+    /// The role's name in chat templates and in the store.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+    /// Parses a role name.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for an unknown role.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "system" | "developer" => Ok(Role::System),
+            "user" => Ok(Role::User),
+            "assistant" => Ok(Role::Assistant),
+            "tool" | "function" => Ok(Role::Tool),
+            other => Err(Error::Invalid(format!("unknown role {other:?}"))),
+        }
+    }
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    /// author
+    pub role: Role,
+    /// text
+    pub content: String,
+}
+
+impl Message {
+    /// A message from parts.
+    pub fn new(role: Role, content: impl Into<String>) -> Self {
+        Message {
+            role,
+            content: content.into(),
+        }
+    }
+}
+
+/// The tokens one appended message added to the context.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptTurn {
+    /// the message
+    pub message: Message,
+    /// tokens appended for it (template markers included)
+    pub tokens: Vec<Token>,
+    /// the template was not append-only here and the context was re-tokenised
+    pub retokenized: bool,
+}
+
+/// A conversation's messages, its context tokens and the text those tokens stand for.
+#[derive(Debug, Clone, Default)]
+pub struct Conversation {
+    /// messages so far (assistant messages hold the full generated text)
+    pub messages: Vec<Message>,
+    /// the context
+    pub tokens: Vec<Token>,
+    /// the rendered text the tokens stand for
+    pub rendered: String,
+}
+
+/// Renders messages with a template.
+///
+/// # Errors
+/// [`Error::Template`] when the template cannot render them.
+pub fn render(template: &str, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+    let pairs: Vec<(&str, &str)> = messages
+        .iter()
+        .map(|m| (m.role.as_str(), m.content.as_str()))
+        .collect();
+    Model::apply_template(template, &pairs, add_generation_prompt)
+}
+
+/// Tokenises template text in which `content` (user-supplied) appears: the template's markers
+/// are parsed as control tokens, the content is not, so a user cannot inject `<|im_end|>`.
+fn tokenize_delta(model: &Model, delta: &str, content: &str, add_bos: bool) -> Result<Vec<Token>> {
+    match delta.rfind(content).filter(|_| !content.is_empty()) {
+        Some(at) => {
+            let mut t = model.tokenize(&delta[..at], add_bos, true)?;
+            t.extend(model.tokenize(content, false, false)?);
+            t.extend(model.tokenize(&delta[at + content.len()..], false, true)?);
+            Ok(t)
+        }
+        None => model.tokenize(delta, add_bos, true),
+    }
+}
+
+fn common_prefix(a: &[Token], b: &[Token]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl Conversation {
+    /// Appends a message as template tokens. `add_generation_prompt` also appends the tokens
+    /// that open the assistant's reply (set it on the last message before generating).
+    ///
+    /// # Errors
+    /// Template or tokenizer errors; the conversation is unchanged on error.
+    pub fn append(
+        &mut self,
+        model: &Model,
+        template: &str,
+        message: Message,
+        add_generation_prompt: bool,
+    ) -> Result<PromptTurn> {
+        let mut msgs = self.messages.clone();
+        msgs.push(message.clone());
+        let full = render(template, &msgs, add_generation_prompt)?;
+        let (tokens, retokenized) = if self.tokens.is_empty() {
+            (tokenize_delta(model, &full, &message.content, model.add_bos())?, false)
+        } else if let Some(delta) = full.strip_prefix(self.rendered.as_str()) {
+            (tokenize_delta(model, delta, &message.content, false)?, false)
+        } else {
+            let all = model.tokenize(&full, model.add_bos(), true)?;
+            let keep = common_prefix(&self.tokens, &all);
+            self.tokens.truncate(keep);
+            (all[keep..].to_vec(), true)
+        };
+        self.tokens.extend_from_slice(&tokens);
+        self.rendered = full;
+        self.messages.push(message.clone());
+        Ok(PromptTurn {
+            message,
+            tokens,
+            retokenized,
+        })
+    }
+
+    /// Records an assistant reply that was generated token by token: `text` is its decoded text
+    /// (without the end-of-turn marker), `rendered` the exact text of `tokens` with control
+    /// tokens spelled out.
+    pub fn push_reply(&mut self, text: String, tokens: &[Token], rendered: &str) {
+        self.tokens.extend_from_slice(tokens);
+        self.rendered.push_str(rendered);
+        self.messages.push(Message::new(Role::Assistant, text));
+    }
+
+    /// Appends an assistant message that was not generated here (imports): its content
+    /// tokenised as plain text followed by the end-of-turn token, exactly what the model would
+    /// have had to sample.
+    ///
+    /// # Errors
+    /// Tokenizer errors, or a model without an end-of-turn token.
+    pub fn push_forced_reply(&mut self, model: &Model, content: &str) -> Result<PromptTurn> {
+        let eot = model
+            .eot()
+            .ok_or_else(|| Error::Template("the model has no end-of-turn token".into()))?;
+        let mut tokens = model.tokenize(content, false, false)?;
+        tokens.push(eot);
+        let piece = String::from_utf8_lossy(&model.piece(eot, true)).into_owned();
+        self.push_reply(content.to_string(), &tokens, &format!("{content}{piece}"));
+        Ok(PromptTurn {
+            message: Message::new(Role::Assistant, content),
+            tokens,
+            retokenized: false,
+        })
+    }
+}
+
+/// Turns a stream of token bytes into text without splitting a UTF-8 character across pieces.
+#[derive(Debug, Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// Adds bytes and returns the text that is complete so far.
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        let valid = match std::str::from_utf8(&self.pending) {
+            Ok(_) => self.pending.len(),
+            Err(e) if e.error_len().is_some() => {
+                // invalid bytes, not a split character: replace them and move on
+                let s = String::from_utf8_lossy(&self.pending).into_owned();
+                self.pending.clear();
+                return s;
+            }
+            Err(e) => e.valid_up_to(),
+        };
+        let rest = self.pending.split_off(valid);
+        let out = String::from_utf8(std::mem::replace(&mut self.pending, rest)).unwrap_or_default();
+        out
+    }
+
+    /// Whatever is left (an incomplete character is replaced by U+FFFD).
+    pub fn finish(&mut self) -> String {
+        let s = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utf8_stream_keeps_split_characters() {
+        let mut s = Utf8Stream::default();
+        let euro = "€".as_bytes(); // 3 bytes
+        assert_eq!(s.push(b"a"), "a");
+        assert_eq!(s.push(&euro[..1]), "");
+        assert_eq!(s.push(&euro[1..2]), "");
+        assert_eq!(s.push(&euro[2..]), "€");
+        assert_eq!(s.push(&[0xff, b'b']), "\u{fffd}b");
+        assert_eq!(s.push(&euro[..2]), "");
+        assert_eq!(s.finish(), "\u{fffd}");
+    }
+
+    #[test]
+    fn roles_parse() {
+        assert_eq!(Role::parse("tool").unwrap(), Role::Tool);
+        assert!(Role::parse("robot").is_err());
+    }
+}

@@ -1,0 +1,665 @@
+//! The engine thread: the only owner of llama.cpp's model and context.
+//!
+//! Everything else talks to it through an [`Engine`] handle (a command channel with a reply
+//! channel per request), from threads or from async code. The context holds one sequence; a
+//! session's tokens are synchronised into it by keeping the longest common prefix of what is
+//! cached and decoding the rest, so switching between sessions costs only their divergent tail.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc::UnboundedSender, oneshot};
+
+use super::conversation::{Conversation, Message, PromptTurn, Role, Utf8Stream};
+use super::llama::{self, Context, ContextParams, Model, Token};
+use super::sampler::{self, Rng, SamplerParams};
+use crate::error::{Error, Result};
+
+/// How the engine is set up.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// the GGUF model
+    pub model: PathBuf,
+    /// context window in tokens
+    pub n_ctx: u32,
+    /// prefill batch size
+    pub n_batch: u32,
+    /// CPU threads (log-probs depend on it; keep it fixed for a deployment)
+    pub n_threads: i32,
+    /// chat template override (a llama.cpp built-in name such as `chatml`, or template text)
+    pub template: Option<String>,
+    /// capture hidden states of sampled positions (needed for learning)
+    pub capture_hidden: bool,
+    /// show llama.cpp's own log
+    pub verbose: bool,
+}
+
+impl EngineConfig {
+    /// Defaults for a model path: 2048-token context, 512-token batches, 2 threads.
+    pub fn new(model: impl Into<PathBuf>) -> Self {
+        EngineConfig {
+            model: model.into(),
+            n_ctx: 2048,
+            n_batch: 512,
+            n_threads: 2,
+            template: None,
+            capture_hidden: true,
+            verbose: false,
+        }
+    }
+}
+
+/// Facts about the loaded model.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelInfo {
+    /// model file
+    pub path: PathBuf,
+    /// `general.name`
+    pub name: String,
+    /// vocabulary size
+    pub n_vocab: usize,
+    /// hidden width
+    pub n_embd: usize,
+    /// context window of the engine
+    pub n_ctx: usize,
+    /// threads used
+    pub n_threads: i32,
+    /// the chat template in use (name or text)
+    pub template: String,
+}
+
+/// Why a reply ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// the model sampled an end-of-generation token
+    EndOfTurn,
+    /// `max_tokens` was reached
+    MaxTokens,
+    /// a stop string appeared
+    StopString,
+    /// the caller went away (stream receiver dropped)
+    Cancelled,
+}
+
+/// An assistant reply with everything needed to learn from it.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    /// decoded text of all sampled tokens, control tokens excluded
+    pub text: String,
+    /// the text to show: `text` cut before a stop string
+    pub visible: String,
+    /// sampled token ids (the end-of-turn token included when sampled)
+    pub tokens: Vec<Token>,
+    /// log-prob of each token under the distribution it was sampled from
+    pub logp_behavior: Vec<f32>,
+    /// log-prob of each token under the full softmax at temperature 1
+    pub logp_full: Vec<f32>,
+    /// final hidden state of each sampling position, `tokens.len() × n_embd`
+    pub hidden: Vec<f32>,
+    /// why generation ended
+    pub stop: StopReason,
+    /// context length (tokens) before the first sampled token
+    pub context_len: usize,
+    /// tokens decoded to bring the context up to date before sampling
+    pub prefill_tokens: usize,
+    /// milliseconds of prefill
+    pub prefill_ms: f64,
+    /// milliseconds from the first sampled token to the end
+    pub decode_ms: f64,
+}
+
+/// The result of a generation request.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// the messages appended before generating, with their tokens
+    pub prompt: Vec<PromptTurn>,
+    /// the reply
+    pub reply: Reply,
+}
+
+/// Log-probs and hidden states of chosen positions of a token sequence, from one prefill.
+#[derive(Debug, Clone)]
+pub struct Rescored {
+    /// the positions scored (each `j` is the token predicted by row `j − 1`)
+    pub positions: Vec<usize>,
+    /// `log softmax(logits)[tokens[j]]` at temperature 1
+    pub logp: Vec<f32>,
+    /// hidden state of row `j − 1`, `positions.len() × n_embd`
+    pub hidden: Vec<f32>,
+}
+
+type Reply1<T> = oneshot::Sender<Result<T>>;
+
+enum Command {
+    Generate {
+        session: u64,
+        messages: Vec<Message>,
+        params: SamplerParams,
+        stream: Option<UnboundedSender<String>>,
+        reply: Reply1<Generation>,
+    },
+    Append {
+        session: u64,
+        messages: Vec<Message>,
+        reply: Reply1<Vec<PromptTurn>>,
+    },
+    Rescore {
+        tokens: Vec<Token>,
+        positions: Vec<usize>,
+        reply: Reply1<Rescored>,
+    },
+    Tokens {
+        session: u64,
+        reply: Reply1<Vec<Token>>,
+    },
+    Tokenize {
+        text: String,
+        reply: Reply1<Vec<Token>>,
+    },
+    Close {
+        session: u64,
+    },
+}
+
+/// A cloneable handle to the engine thread.
+#[derive(Clone)]
+pub struct Engine {
+    tx: mpsc::Sender<Command>,
+    info: Arc<ModelInfo>,
+}
+
+impl Engine {
+    /// Loads the model on a new thread and returns a handle once it is ready.
+    ///
+    /// # Errors
+    /// [`Error::BadModel`] for a file that is not a loadable GGUF model; context errors.
+    pub fn start(cfg: EngineConfig) -> Result<Engine> {
+        super::gguf::GgufIndex::open(&cfg.model)?;
+        let (tx, rx) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("turnwise-engine".into())
+            .spawn(move || match Worker::load(&cfg) {
+                Ok(mut w) => {
+                    let _ = ready_tx.send(Ok(w.info.clone()));
+                    w.run(rx);
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
+            .map_err(|e| Error::Llama(format!("cannot spawn engine thread: {e}")))?;
+        let info = ready_rx.recv().map_err(|_| Error::EngineGone)??;
+        Ok(Engine {
+            tx,
+            info: Arc::new(info),
+        })
+    }
+
+    /// Facts about the loaded model.
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn call<T>(&self, make: impl FnOnce(Reply1<T>) -> Command) -> oneshot::Receiver<Result<T>> {
+        let (tx, rx) = oneshot::channel();
+        // a send error drops `tx`, so the receiver reports EngineGone
+        let _ = self.tx.send(make(tx));
+        rx
+    }
+
+    fn wait<T>(rx: oneshot::Receiver<Result<T>>) -> Result<T> {
+        rx.blocking_recv().map_err(|_| Error::EngineGone)?
+    }
+
+    /// Appends `messages` to a session (created on first use) and generates the assistant's
+    /// reply. Text pieces are sent to `stream` as they are produced; dropping its receiver
+    /// cancels generation. Blocking; see [`Engine::generate_async`] for async callers.
+    ///
+    /// # Errors
+    /// [`Error::ContextOverflow`] when the prompt plus `max_tokens` does not fit (the session is
+    /// left unchanged); llama.cpp and template errors.
+    pub fn generate(
+        &self,
+        session: u64,
+        messages: Vec<Message>,
+        params: SamplerParams,
+        stream: Option<UnboundedSender<String>>,
+    ) -> Result<Generation> {
+        Self::wait(self.call(|reply| Command::Generate {
+            session,
+            messages,
+            params,
+            stream,
+            reply,
+        }))
+    }
+
+    /// Async form of [`Engine::generate`].
+    ///
+    /// # Errors
+    /// As [`Engine::generate`].
+    pub async fn generate_async(
+        &self,
+        session: u64,
+        messages: Vec<Message>,
+        params: SamplerParams,
+        stream: Option<UnboundedSender<String>>,
+    ) -> Result<Generation> {
+        let rx = self.call(|reply| Command::Generate {
+            session,
+            messages,
+            params,
+            stream,
+            reply,
+        });
+        rx.await.map_err(|_| Error::EngineGone)?
+    }
+
+    /// Appends messages without generating. Assistant messages are appended as the tokens the
+    /// model would have sampled for them (content, then the end-of-turn token).
+    ///
+    /// # Errors
+    /// Template and tokenizer errors; [`Error::ContextOverflow`].
+    pub fn append(&self, session: u64, messages: Vec<Message>) -> Result<Vec<PromptTurn>> {
+        Self::wait(self.call(|reply| Command::Append {
+            session,
+            messages,
+            reply,
+        }))
+    }
+
+    /// One prefill over `tokens`, returning the temperature-1 log-prob of `tokens[j]` and the
+    /// hidden state that predicted it, for each `j` in `positions` (each `>= 1`).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a bad position; [`Error::ContextOverflow`]; llama.cpp errors.
+    pub fn rescore(&self, tokens: Vec<Token>, positions: Vec<usize>) -> Result<Rescored> {
+        Self::wait(self.call(|reply| Command::Rescore {
+            tokens,
+            positions,
+            reply,
+        }))
+    }
+
+    /// The context tokens of a session.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSession`].
+    pub fn session_tokens(&self, session: u64) -> Result<Vec<Token>> {
+        Self::wait(self.call(|reply| Command::Tokens { session, reply }))
+    }
+
+    /// Tokenises plain text (no control tokens parsed, no BOS).
+    ///
+    /// # Errors
+    /// Tokenizer errors.
+    pub fn tokenize(&self, text: &str) -> Result<Vec<Token>> {
+        let text = text.to_string();
+        Self::wait(self.call(|reply| Command::Tokenize { text, reply }))
+    }
+
+    /// Forgets a session's in-memory state (its log stays in the store).
+    pub fn close(&self, session: u64) {
+        let _ = self.tx.send(Command::Close { session });
+    }
+}
+
+struct Worker {
+    // field order matters: the context must drop before the model
+    ctx: Context,
+    model: Model,
+    info: ModelInfo,
+    n_embd: usize,
+    sessions: HashMap<u64, Conversation>,
+    /// end-of-generation tokens (masked when `ignore_eog`)
+    eog: Vec<Token>,
+    /// tokens currently in the KV cache
+    cached: Vec<Token>,
+}
+
+impl Worker {
+    fn load(cfg: &EngineConfig) -> Result<Worker> {
+        llama::init_backend(cfg.verbose);
+        let model = Model::load(&cfg.model, 0)?;
+        let n_ctx = cfg.n_ctx.min(model.n_ctx_train().max(256) as u32);
+        let ctx = Context::new(
+            &model,
+            ContextParams {
+                n_ctx,
+                n_batch: cfg.n_batch,
+                n_threads: cfg.n_threads,
+                capture_hidden: cfg.capture_hidden,
+            },
+        )?;
+        let template = match (&cfg.template, model.chat_template()) {
+            (Some(t), _) => t.clone(),
+            (None, Some(t)) => t,
+            (None, None) => {
+                tracing::warn!("model has no chat template; using chatml");
+                "chatml".to_string()
+            }
+        };
+        // fail now, not on the first message, if llama.cpp cannot render this template
+        super::conversation::render(&template, &[Message::new(Role::User, "hi")], true)?;
+        let info = ModelInfo {
+            path: cfg.model.clone(),
+            name: model.meta("general.name").unwrap_or_else(|| "unknown".into()),
+            n_vocab: model.n_vocab(),
+            n_embd: model.n_embd(),
+            n_ctx: ctx.n_ctx(),
+            n_threads: cfg.n_threads,
+            template,
+        };
+        tracing::info!(model = %info.name, n_ctx = info.n_ctx, "policy engine ready");
+        let eog = (0..model.n_vocab() as Token).filter(|&t| model.is_eog(t)).collect();
+        Ok(Worker {
+            eog,
+            n_embd: model.n_embd(),
+            ctx,
+            model,
+            info,
+            sessions: HashMap::new(),
+            cached: Vec::new(),
+        })
+    }
+
+    fn run(&mut self, rx: mpsc::Receiver<Command>) {
+        while let Ok(cmd) = rx.recv() {
+            match cmd {
+                Command::Generate {
+                    session,
+                    messages,
+                    params,
+                    stream,
+                    reply,
+                } => {
+                    let r = self.generate(session, messages, &params, stream.as_ref());
+                    let _ = reply.send(r);
+                }
+                Command::Append {
+                    session,
+                    messages,
+                    reply,
+                } => {
+                    let _ = reply.send(self.append(session, messages, false, 0).map(|(t, _)| t));
+                }
+                Command::Rescore {
+                    tokens,
+                    positions,
+                    reply,
+                } => {
+                    let _ = reply.send(self.rescore(&tokens, &positions));
+                }
+                Command::Tokens { session, reply } => {
+                    let r = self
+                        .sessions
+                        .get(&session)
+                        .map(|c| c.tokens.clone())
+                        .ok_or(Error::UnknownSession(session));
+                    let _ = reply.send(r);
+                }
+                Command::Tokenize { text, reply } => {
+                    let _ = reply.send(self.model.tokenize(&text, false, false));
+                }
+                Command::Close { session } => {
+                    self.sessions.remove(&session);
+                }
+            }
+        }
+    }
+
+    /// Appends messages to a copy of the session and checks the context budget (`reserve`
+    /// tokens for the reply) before committing the copy.
+    fn append(
+        &mut self,
+        session: u64,
+        messages: Vec<Message>,
+        generation_prompt: bool,
+        reserve: usize,
+    ) -> Result<(Vec<PromptTurn>, Conversation)> {
+        let mut conv = self.sessions.get(&session).cloned().unwrap_or_default();
+        let before = conv.tokens.len();
+        let n = messages.len();
+        let mut turns = Vec::with_capacity(n);
+        for (i, m) in messages.into_iter().enumerate() {
+            let t = if m.role == Role::Assistant && !generation_prompt {
+                conv.push_forced_reply(&self.model, &m.content)?
+            } else {
+                conv.append(&self.model, &self.info.template, m, generation_prompt && i + 1 == n)?
+            };
+            turns.push(t);
+        }
+        let needed = conv.tokens.len() + reserve;
+        if needed > self.ctx.n_ctx() {
+            return Err(Error::ContextOverflow {
+                have: before,
+                adding: needed - before,
+                needed,
+                n_ctx: self.ctx.n_ctx(),
+            });
+        }
+        self.sessions.insert(session, conv.clone());
+        Ok((turns, conv))
+    }
+
+    /// Brings the KV cache to `tokens` and returns the hidden state and logits of the last row.
+    fn sync(&mut self, tokens: &[Token]) -> Result<(Vec<f32>, Vec<f32>, usize)> {
+        let mut keep = self
+            .cached
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if keep == tokens.len() {
+            keep = keep.saturating_sub(1); // we need the last row's logits again
+        }
+        self.ctx.truncate(keep);
+        self.cached.truncate(keep);
+        let mut last = (Vec::new(), Vec::new());
+        let nb = self.ctx.n_batch();
+        let mut pos = keep;
+        while pos < tokens.len() {
+            let end = (pos + nb).min(tokens.len());
+            let chunk = &tokens[pos..end];
+            let mut outputs = vec![false; chunk.len()];
+            let is_last = end == tokens.len();
+            if is_last {
+                outputs[chunk.len() - 1] = true;
+            }
+            let h = self.decode(chunk, pos, &outputs)?;
+            if is_last {
+                last = (h, self.ctx.logits(chunk.len() - 1).to_vec());
+            }
+            pos = end;
+        }
+        Ok((last.0, last.1, tokens.len() - keep))
+    }
+
+    fn decode(&mut self, tokens: &[Token], start: usize, outputs: &[bool]) -> Result<Vec<f32>> {
+        match self.ctx.decode(tokens, start, outputs) {
+            Ok(h) => {
+                self.cached.extend_from_slice(tokens);
+                Ok(h)
+            }
+            Err(e) => {
+                // the cache state is unknown after a failed decode: start over next time
+                self.ctx.truncate(0);
+                self.cached.clear();
+                Err(e)
+            }
+        }
+    }
+
+    fn generate(
+        &mut self,
+        session: u64,
+        messages: Vec<Message>,
+        p: &SamplerParams,
+        stream: Option<&UnboundedSender<String>>,
+    ) -> Result<Generation> {
+        if p.max_tokens == 0 {
+            return Err(Error::Invalid("max_tokens must be at least 1".into()));
+        }
+        let previous = self.sessions.get(&session).cloned();
+        let (prompt, conv) = self.append(session, messages, true, p.max_tokens)?;
+        let result = self.sample_reply(conv, p, stream);
+        match result {
+            Ok((conv, reply)) => {
+                self.sessions.insert(session, conv);
+                Ok(Generation { prompt, reply })
+            }
+            Err(e) => {
+                // leave the session as it was before this request
+                match previous {
+                    Some(c) => self.sessions.insert(session, c),
+                    None => self.sessions.remove(&session),
+                };
+                Err(e)
+            }
+        }
+    }
+
+    fn sample_reply(
+        &mut self,
+        mut conv: Conversation,
+        p: &SamplerParams,
+        stream: Option<&UnboundedSender<String>>,
+    ) -> Result<(Conversation, Reply)> {
+        let t0 = Instant::now();
+        let context_len = conv.tokens.len();
+        let (mut h, mut logits, prefill_tokens) = self.sync(&conv.tokens)?;
+        let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let t1 = Instant::now();
+        let mut rng = Rng::new(p.seed);
+        let mut utf8 = Utf8Stream::default();
+        let (mut text, mut rendered) = (String::new(), String::new());
+        let mut tokens = Vec::new();
+        let (mut lb, mut lf) = (Vec::new(), Vec::new());
+        let mut hidden = Vec::with_capacity(p.max_tokens * self.n_embd);
+        let mut visible_len = None;
+        let mut streamed = 0usize;
+        let stop = loop {
+            if p.ignore_eog {
+                for &t in &self.eog {
+                    logits[t as usize] = f32::NEG_INFINITY;
+                }
+            }
+            let s = sampler::sample(&logits, p, &mut rng);
+            tokens.push(s.token);
+            lb.push(s.logp_behavior);
+            lf.push(s.logp_full);
+            hidden.extend_from_slice(&h);
+            rendered.push_str(&String::from_utf8_lossy(&self.model.piece(s.token, true)));
+            if self.model.is_eog(s.token) {
+                break StopReason::EndOfTurn;
+            }
+            let piece = utf8.push(&self.model.piece(s.token, false));
+            if !piece.is_empty() {
+                text.push_str(&piece);
+                let cut = p.stop.iter().filter_map(|st| text.find(st.as_str())).min();
+                let upto = cut.unwrap_or(text.len());
+                if let Some(tx) = stream.filter(|_| upto > streamed) {
+                    if tx.send(text[streamed..upto].to_string()).is_err() {
+                        break StopReason::Cancelled;
+                    }
+                    streamed = upto;
+                }
+                if cut.is_some() {
+                    visible_len = cut;
+                    break StopReason::StopString;
+                }
+            }
+            if tokens.len() >= p.max_tokens {
+                break StopReason::MaxTokens;
+            }
+            let pos = context_len + tokens.len() - 1;
+            h = self.decode(&[s.token], pos, &[true])?;
+            logits = self.ctx.logits(0).to_vec();
+        };
+        text.push_str(&utf8.finish());
+        let visible = text[..visible_len.unwrap_or(text.len())].to_string();
+        conv.push_reply(text.clone(), &tokens, &rendered);
+        let reply = Reply {
+            text,
+            visible,
+            tokens,
+            logp_behavior: lb,
+            logp_full: lf,
+            hidden,
+            stop,
+            context_len,
+            prefill_tokens,
+            prefill_ms,
+            decode_ms: t1.elapsed().as_secs_f64() * 1e3,
+        };
+        Ok((conv, reply))
+    }
+
+    fn rescore(&mut self, tokens: &[Token], positions: &[usize]) -> Result<Rescored> {
+        if tokens.len() > self.ctx.n_ctx() {
+            return Err(Error::ContextOverflow {
+                have: 0,
+                adding: tokens.len(),
+                needed: tokens.len(),
+                n_ctx: self.ctx.n_ctx(),
+            });
+        }
+        let mut want = vec![false; tokens.len()];
+        for &j in positions {
+            if j == 0 || j >= tokens.len() {
+                return Err(Error::Invalid(format!(
+                    "position {j} cannot be scored in a sequence of {}",
+                    tokens.len()
+                )));
+            }
+            want[j - 1] = true;
+        }
+        self.ctx.truncate(0);
+        self.cached.clear();
+        let mut by_row: HashMap<usize, (f32, Vec<f32>)> = HashMap::new();
+        let nb = self.ctx.n_batch();
+        let mut pos = 0;
+        while pos < tokens.len() {
+            let end = (pos + nb).min(tokens.len());
+            let outputs = &want[pos..end];
+            if !outputs.iter().any(|&o| o) {
+                self.decode(&tokens[pos..end], pos, outputs)?;
+                pos = end;
+                continue;
+            }
+            let h = self.decode(&tokens[pos..end], pos, outputs)?;
+            let mut k = 0;
+            for (i, _) in outputs.iter().enumerate().filter(|(_, &o)| o) {
+                let row = pos + i;
+                let logits = self.ctx.logits(i);
+                let lp = logits[tokens[row + 1] as usize] as f64 - sampler::logsumexp(logits);
+                let hs = if h.is_empty() {
+                    Vec::new()
+                } else {
+                    h[k * self.n_embd..(k + 1) * self.n_embd].to_vec()
+                };
+                by_row.insert(row, (lp as f32, hs));
+                k += 1;
+            }
+            pos = end;
+        }
+        let mut logp = Vec::with_capacity(positions.len());
+        let mut hidden = Vec::with_capacity(positions.len() * self.n_embd);
+        for &j in positions {
+            let (lp, h) = &by_row[&(j - 1)];
+            logp.push(*lp);
+            hidden.extend_from_slice(h);
+        }
+        Ok(Rescored {
+            positions: positions.to_vec(),
+            logp,
+            hidden,
+        })
+    }
+}

@@ -1,0 +1,116 @@
+//! The model's output projection, reproduced outside llama.cpp: `base_logits(h)` recomputes the
+//! logits from a stored final hidden state `h`.
+//!
+//! llama.cpp's CPU backend converts the activation to the weight's `vec_dot_type` (Q8_0 blocks of
+//! 32 for a Q8_0 weight) before its matmul, so we round `h` through that type and multiply with
+//! the dequantised weight (ggml's own `to_float`). On the default model this reproduces
+//! llama.cpp's logits to a few 1e-5, which is what lets the learner compute old and new policy
+//! log-probs from stored features instead of re-running llama.cpp.
+
+use std::path::Path;
+
+use ndarray::{Array2, ArrayView2};
+
+use super::gguf::GgufIndex;
+use super::llama;
+use crate::error::{Error, Result};
+
+/// The dequantised output projection `W` (`[n_vocab, n_embd]`) and the activation type.
+pub struct OutputHead {
+    w: Array2<f32>,
+    act_type: u32,
+    /// which tensor it came from (`output.weight`, or `token_embd.weight` when tied)
+    pub tensor: String,
+    /// ggml type of the stored weight
+    pub weight_type: u32,
+}
+
+impl OutputHead {
+    /// Reads and dequantises the output projection of a GGUF model.
+    ///
+    /// # Errors
+    /// [`Error::BadModel`] when the file has neither `output.weight` nor `token_embd.weight`, or
+    /// its type cannot be dequantised.
+    pub fn from_gguf(path: &Path) -> Result<Self> {
+        let idx = GgufIndex::open(path)?;
+        let t = idx
+            .tensor("output.weight")
+            .or_else(|| idx.tensor("token_embd.weight"))
+            .ok_or_else(|| Error::BadModel {
+                path: path.into(),
+                reason: "no output.weight or token_embd.weight tensor".into(),
+            })?
+            .clone();
+        if t.dims.len() != 2 {
+            return Err(Error::BadModel {
+                path: path.into(),
+                reason: format!("{} has {} dimensions", t.name, t.dims.len()),
+            });
+        }
+        let (n_embd, n_vocab) = (t.dims[0] as usize, t.dims[1] as usize);
+        let bytes_per_row = row_bytes(t.ggml_type, n_embd)?;
+        let raw = idx.read_tensor_bytes(&t, bytes_per_row * n_vocab)?;
+        let mut w = Vec::with_capacity(n_embd * n_vocab);
+        for row in raw.chunks_exact(bytes_per_row) {
+            w.extend(llama::dequantize(t.ggml_type, row, n_embd)?);
+        }
+        let w = Array2::from_shape_vec((n_vocab, n_embd), w)
+            .map_err(|e| Error::Corrupt(e.to_string()))?;
+        Ok(OutputHead {
+            w,
+            act_type: llama::vec_dot_type(t.ggml_type),
+            tensor: t.name,
+            weight_type: t.ggml_type,
+        })
+    }
+
+    /// Width of the hidden state.
+    pub fn n_embd(&self) -> usize {
+        self.w.ncols()
+    }
+
+    /// Vocabulary size.
+    pub fn n_vocab(&self) -> usize {
+        self.w.nrows()
+    }
+
+    /// The dequantised weight, `[n_vocab, n_embd]`.
+    pub fn weight(&self) -> ArrayView2<'_, f32> {
+        self.w.view()
+    }
+
+    /// Rounds hidden states (`[T, n_embd]`) the way the CPU backend does before the matmul.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] on a width mismatch.
+    pub fn quantize_hidden(&self, h: ArrayView2<'_, f32>) -> Result<Array2<f32>> {
+        if h.ncols() != self.n_embd() {
+            return Err(Error::Invalid(format!(
+                "hidden width {} != model width {}",
+                h.ncols(),
+                self.n_embd()
+            )));
+        }
+        let mut out = Array2::zeros(h.raw_dim());
+        for (src, mut dst) in h.rows().into_iter().zip(out.rows_mut()) {
+            let row: Vec<f32> = src.iter().copied().collect();
+            let q = llama::round_through(self.act_type, &row)?;
+            dst.iter_mut().zip(q).for_each(|(d, v)| *d = v);
+        }
+        Ok(out)
+    }
+
+    /// Base-model logits for hidden states `h` (`[T, n_embd]` → `[T, n_vocab]`).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] on a width mismatch.
+    pub fn base_logits(&self, h: ArrayView2<'_, f32>) -> Result<Array2<f32>> {
+        let hq = self.quantize_hidden(h)?;
+        Ok(hq.dot(&self.w.t()))
+    }
+}
+
+/// Bytes of one row of `n` values of ggml type `ty`.
+fn row_bytes(ty: u32, n: usize) -> Result<usize> {
+    llama::row_size(ty, n)
+}

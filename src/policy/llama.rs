@@ -1,0 +1,567 @@
+//! A thin, owned wrapper over the parts of llama.cpp's C API the engine uses.
+//!
+//! `llama-cpp-2`'s safe types do not expose the context's evaluation callback, which is the
+//! cheap way to read the final normalised hidden state (`result_norm`) of exactly the rows that
+//! produce logits. So the engine talks to `llama-cpp-sys-2` directly through this module; all
+//! `unsafe` of the policy lives here, each block next to the invariant that makes it sound.
+//! These objects are `Send` but not `Sync`: one thread (the engine) owns them.
+
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::OnceLock;
+
+use llama_cpp_sys_2 as sys;
+
+use crate::error::{Error, Result};
+
+/// A token id, as llama.cpp defines it.
+pub type Token = i32;
+
+static BACKEND: OnceLock<()> = OnceLock::new();
+
+/// Initialises the llama.cpp backend once per process and routes its logs into `tracing`
+/// (`verbose = false` silences them; they are ~2,300 lines per model load).
+pub fn init_backend(verbose: bool) {
+    BACKEND.get_or_init(|| {
+        llama_cpp_2::send_logs_to_tracing(
+            llama_cpp_2::LogOptions::default().with_logs_enabled(verbose),
+        );
+        // SAFETY: called once per process, guarded by the OnceLock.
+        unsafe { sys::llama_backend_init() };
+    });
+}
+
+/// A loaded GGUF model and its vocabulary.
+pub struct Model {
+    ptr: NonNull<sys::llama_model>,
+    vocab: NonNull<sys::llama_vocab>,
+}
+
+// SAFETY: the model is only used from the thread that owns the `Model` value.
+unsafe impl Send for Model {}
+
+impl Model {
+    /// Loads a GGUF model on the CPU (`n_gpu_layers` > 0 offloads layers when llama.cpp was built
+    /// with a GPU backend).
+    ///
+    /// # Errors
+    /// [`Error::BadModel`] when llama.cpp cannot load the file.
+    pub fn load(path: &Path, n_gpu_layers: i32) -> Result<Self> {
+        let cpath = CString::new(path.to_string_lossy().as_bytes()).map_err(|_| Error::BadModel {
+            path: path.into(),
+            reason: "path contains a NUL byte".into(),
+        })?;
+        // SAFETY: default params are plain data; the path is a valid C string for the call.
+        let ptr = unsafe {
+            let mut params = sys::llama_model_default_params();
+            params.n_gpu_layers = n_gpu_layers;
+            sys::llama_model_load_from_file(cpath.as_ptr(), params)
+        };
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::BadModel {
+            path: path.into(),
+            reason: "llama.cpp could not load it (run with -v to see llama.cpp's log)".into(),
+        })?;
+        // SAFETY: ptr is a live model; the vocab lives as long as the model.
+        let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
+        let vocab = NonNull::new(vocab as *mut _).ok_or_else(|| Error::BadModel {
+            path: path.into(),
+            reason: "model has no vocabulary".into(),
+        })?;
+        Ok(Model { ptr, vocab })
+    }
+
+    /// Vocabulary size.
+    pub fn n_vocab(&self) -> usize {
+        // SAFETY: vocab is live while self is.
+        unsafe { sys::llama_vocab_n_tokens(self.vocab.as_ptr()) as usize }
+    }
+
+    /// Width of the hidden state.
+    pub fn n_embd(&self) -> usize {
+        // SAFETY: model is live.
+        unsafe { sys::llama_model_n_embd(self.ptr.as_ptr()) as usize }
+    }
+
+    /// Context length the model was trained with.
+    pub fn n_ctx_train(&self) -> usize {
+        // SAFETY: model is live.
+        unsafe { sys::llama_model_n_ctx_train(self.ptr.as_ptr()) as usize }
+    }
+
+    /// Whether tokenising a fresh prompt should add BOS.
+    pub fn add_bos(&self) -> bool {
+        // SAFETY: vocab is live.
+        unsafe { sys::llama_vocab_get_add_bos(self.vocab.as_ptr()) }
+    }
+
+    /// True for end-of-generation tokens (EOS, EOT, …).
+    pub fn is_eog(&self, token: Token) -> bool {
+        // SAFETY: vocab is live; any token id is accepted.
+        unsafe { sys::llama_vocab_is_eog(self.vocab.as_ptr(), token) }
+    }
+
+    /// The end-of-turn token, falling back to EOS.
+    pub fn eot(&self) -> Option<Token> {
+        // SAFETY: vocab is live.
+        let (eot, eos) = unsafe {
+            (
+                sys::llama_vocab_eot(self.vocab.as_ptr()),
+                sys::llama_vocab_eos(self.vocab.as_ptr()),
+            )
+        };
+        [eot, eos].into_iter().find(|&t| t >= 0)
+    }
+
+    /// The chat template stored in the GGUF metadata, if any.
+    pub fn chat_template(&self) -> Option<String> {
+        // SAFETY: model is live; a null name asks for the default template; the returned string
+        // is owned by the model.
+        unsafe {
+            let p = sys::llama_model_chat_template(self.ptr.as_ptr(), std::ptr::null());
+            if p.is_null() {
+                None
+            } else {
+                Some(CStr::from_ptr(p).to_string_lossy().into_owned())
+            }
+        }
+    }
+
+    /// A string metadata value.
+    pub fn meta(&self, key: &str) -> Option<String> {
+        let ckey = CString::new(key).ok()?;
+        let mut buf = vec![0u8; 256];
+        // SAFETY: buf is writable for its length; the key is a valid C string.
+        let n = unsafe {
+            sys::llama_model_meta_val_str(
+                self.ptr.as_ptr(),
+                ckey.as_ptr(),
+                buf.as_mut_ptr() as *mut c_char,
+                buf.len(),
+            )
+        };
+        if n < 0 {
+            return None;
+        }
+        let n = (n as usize).min(buf.len() - 1);
+        Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+    }
+
+    /// Tokenises text. `parse_special` makes control tokens such as `<|im_start|>` single tokens
+    /// (wanted for template text, not for user content).
+    ///
+    /// # Errors
+    /// [`Error::Llama`] when llama.cpp reports a failure.
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+        let len = i32::try_from(text.len()).map_err(|_| Error::Invalid("text too long".into()))?;
+        let mut out = vec![0 as Token; text.len() + 8];
+        for _ in 0..2 {
+            // SAFETY: text is valid for len bytes; out is writable for out.len() tokens.
+            let n = unsafe {
+                sys::llama_tokenize(
+                    self.vocab.as_ptr(),
+                    text.as_ptr() as *const c_char,
+                    len,
+                    out.as_mut_ptr(),
+                    out.len() as i32,
+                    add_special,
+                    parse_special,
+                )
+            };
+            if n >= 0 {
+                out.truncate(n as usize);
+                return Ok(out);
+            }
+            if n == i32::MIN {
+                return Err(Error::Llama("tokenization overflow".into()));
+            }
+            out.resize((-n) as usize, 0);
+        }
+        Err(Error::Llama("tokenization failed".into()))
+    }
+
+    /// The bytes of one token (control tokens rendered when `special`).
+    pub fn piece(&self, token: Token, special: bool) -> Vec<u8> {
+        let mut buf = vec![0u8; 64];
+        loop {
+            // SAFETY: buf is writable for its length.
+            let n = unsafe {
+                sys::llama_token_to_piece(
+                    self.vocab.as_ptr(),
+                    token,
+                    buf.as_mut_ptr() as *mut c_char,
+                    buf.len() as i32,
+                    0,
+                    special,
+                )
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return buf;
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+
+    /// Renders a conversation with a chat template (llama.cpp's built-in template engine, which
+    /// recognises the common formats by their markers).
+    ///
+    /// # Errors
+    /// [`Error::Template`] when the template is not recognised or a message holds a NUL byte.
+    pub fn apply_template(
+        template: &str,
+        messages: &[(&str, &str)],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let tmpl = CString::new(template).map_err(|_| Error::Template("NUL in template".into()))?;
+        let owned: Vec<(CString, CString)> = messages
+            .iter()
+            .map(|(r, c)| Ok((CString::new(*r)?, CString::new(*c)?)))
+            .collect::<std::result::Result<_, std::ffi::NulError>>()
+            .map_err(|_| Error::Template("a message contains a NUL byte".into()))?;
+        let chat: Vec<sys::llama_chat_message> = owned
+            .iter()
+            .map(|(r, c)| sys::llama_chat_message {
+                role: r.as_ptr(),
+                content: c.as_ptr(),
+            })
+            .collect();
+        let total: usize = messages.iter().map(|(r, c)| r.len() + c.len()).sum();
+        let mut buf = vec![0u8; 2 * total + 256];
+        for _ in 0..2 {
+            // SAFETY: chat points at `owned`, alive for the call; buf is writable for its length.
+            let n = unsafe {
+                sys::llama_chat_apply_template(
+                    tmpl.as_ptr(),
+                    chat.as_ptr(),
+                    chat.len(),
+                    add_generation_prompt,
+                    buf.as_mut_ptr() as *mut c_char,
+                    buf.len() as i32,
+                )
+            };
+            if n < 0 {
+                return Err(Error::Template(
+                    "llama.cpp does not recognise this model's chat template; pass --template chatml (or another built-in name)".into(),
+                ));
+            }
+            let n = n as usize;
+            if n <= buf.len() {
+                buf.truncate(n);
+                return String::from_utf8(buf)
+                    .map_err(|_| Error::Template("rendered text is not UTF-8".into()));
+            }
+            buf.resize(n, 0);
+        }
+        Err(Error::Template("template output kept growing".into()))
+    }
+}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from llama_model_load_from_file and is freed once; contexts
+        // borrow the model only through `Context`, which the engine drops first.
+        unsafe { sys::llama_model_free(self.ptr.as_ptr()) };
+    }
+}
+
+/// Hidden states captured by the evaluation callback during one `decode`.
+struct Capture {
+    enabled: bool,
+    n_embd: usize,
+    rows: Vec<f32>,
+}
+
+const RESULT_NORM: &[u8] = b"result_norm";
+
+/// llama.cpp's scheduler asks this for every graph node (`ask = true`: "do you want its data?")
+/// and then hands over the ones we asked for after they are computed. We ask only for
+/// `result_norm`, the final normalised hidden state of the rows that produce logits.
+unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, user: *mut c_void) -> bool {
+    // SAFETY: llama.cpp passes a live tensor; `user` is the Box<Capture> owned by the Context,
+    // which outlives every decode call on it.
+    unsafe {
+        let cap = &mut *(user as *mut Capture);
+        let name = CStr::from_ptr((*t).name.as_ptr());
+        let wanted = cap.enabled && name.to_bytes() == RESULT_NORM;
+        if ask {
+            return wanted;
+        }
+        if wanted && (*t).type_ == sys::GGML_TYPE_F32 {
+            let ne0 = (*t).ne[0] as usize;
+            let ne1 = (*t).ne[1] as usize;
+            if ne0 == cap.n_embd {
+                let start = cap.rows.len();
+                cap.rows.resize(start + ne0 * ne1, 0.0);
+                sys::ggml_backend_tensor_get(
+                    t,
+                    cap.rows[start..].as_mut_ptr() as *mut c_void,
+                    0,
+                    ne0 * ne1 * std::mem::size_of::<f32>(),
+                );
+            }
+        }
+        true
+    }
+}
+
+/// Settings for a llama.cpp context.
+#[derive(Debug, Clone, Copy)]
+pub struct ContextParams {
+    /// context window in tokens
+    pub n_ctx: u32,
+    /// largest batch decoded at once
+    pub n_batch: u32,
+    /// CPU threads (llama.cpp's numbers depend on it, so it is fixed per engine)
+    pub n_threads: i32,
+    /// capture `result_norm` for every output row
+    pub capture_hidden: bool,
+}
+
+/// A llama.cpp context with one sequence and a reusable batch.
+pub struct Context {
+    ptr: NonNull<sys::llama_context>,
+    batch: sys::llama_batch,
+    capture: Box<Capture>,
+    n_batch: usize,
+    n_ctx: usize,
+    n_vocab: usize,
+}
+
+// SAFETY: used only from the engine thread that owns it.
+unsafe impl Send for Context {}
+
+impl Context {
+    /// Creates a context on `model`. The caller keeps `model` alive longer than the context.
+    ///
+    /// # Errors
+    /// [`Error::Llama`] when llama.cpp cannot allocate it.
+    pub fn new(model: &Model, p: ContextParams) -> Result<Self> {
+        let mut capture = Box::new(Capture {
+            enabled: p.capture_hidden,
+            n_embd: model.n_embd(),
+            rows: Vec::new(),
+        });
+        // SAFETY: default params are plain data; cb_eval_user_data points into a Box whose
+        // address is stable and which lives as long as the context (dropped after it).
+        let ptr = unsafe {
+            let mut cp = sys::llama_context_default_params();
+            cp.n_ctx = p.n_ctx;
+            cp.n_batch = p.n_batch;
+            cp.n_ubatch = p.n_batch;
+            cp.n_seq_max = 1;
+            cp.n_threads = p.n_threads;
+            cp.n_threads_batch = p.n_threads;
+            cp.embeddings = false;
+            cp.no_perf = true;
+            if p.capture_hidden {
+                cp.cb_eval = Some(eval_callback);
+                cp.cb_eval_user_data = capture.as_mut() as *mut Capture as *mut c_void;
+            }
+            sys::llama_init_from_model(model.ptr.as_ptr(), cp)
+        };
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| Error::Llama(format!("could not create a context of {} tokens", p.n_ctx)))?;
+        // SAFETY: ptr is live.
+        let n_ctx = unsafe { sys::llama_n_ctx(ptr.as_ptr()) as usize };
+        // SAFETY: allocates a token batch of n_batch rows for one sequence.
+        let batch = unsafe { sys::llama_batch_init(p.n_batch as i32, 0, 1) };
+        Ok(Context {
+            ptr,
+            batch,
+            capture,
+            n_batch: p.n_batch as usize,
+            n_ctx,
+            n_vocab: model.n_vocab(),
+        })
+    }
+
+    /// The context window in tokens.
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    /// Largest number of tokens decoded in one call.
+    pub fn n_batch(&self) -> usize {
+        self.n_batch
+    }
+
+    /// Drops KV-cache entries from position `from` on (the sequence is truncated to `from`).
+    pub fn truncate(&mut self, from: usize) {
+        // SAFETY: ctx is live; memory handle belongs to it; seq 0 is the only sequence.
+        unsafe {
+            let mem = sys::llama_get_memory(self.ptr.as_ptr());
+            sys::llama_memory_seq_rm(mem, 0, from as i32, -1);
+        }
+    }
+
+    /// Decodes `tokens` at positions `start..`, requesting outputs on the rows where
+    /// `outputs[i]` is true. Returns the hidden states of the output rows (row-major,
+    /// `n_embd` each) when capture is on; logits are then read with [`Context::logits`].
+    ///
+    /// # Errors
+    /// [`Error::Llama`] on a decode failure; [`Error::Invalid`] when more than `n_batch` tokens
+    /// are passed.
+    pub fn decode(&mut self, tokens: &[Token], start: usize, outputs: &[bool]) -> Result<Vec<f32>> {
+        if tokens.len() > self.n_batch || tokens.len() != outputs.len() || tokens.is_empty() {
+            return Err(Error::Invalid(format!(
+                "decode of {} tokens with batch size {}",
+                tokens.len(),
+                self.n_batch
+            )));
+        }
+        // SAFETY: the batch was allocated for n_batch rows with one seq id each; we write
+        // tokens.len() <= n_batch rows.
+        unsafe {
+            let b = &mut self.batch;
+            b.n_tokens = tokens.len() as i32;
+            for (i, (&t, &o)) in tokens.iter().zip(outputs).enumerate() {
+                *b.token.add(i) = t;
+                *b.pos.add(i) = (start + i) as i32;
+                *b.n_seq_id.add(i) = 1;
+                *(*b.seq_id.add(i)) = 0;
+                *b.logits.add(i) = i8::from(o);
+            }
+        }
+        self.capture.rows.clear();
+        // SAFETY: ctx and batch are live and consistent.
+        let rc = unsafe { sys::llama_decode(self.ptr.as_ptr(), self.batch) };
+        if rc != 0 {
+            return Err(Error::Llama(format!("llama_decode returned {rc}")));
+        }
+        let want = outputs.iter().filter(|&&o| o).count() * self.capture.n_embd;
+        let rows = std::mem::take(&mut self.capture.rows);
+        if self.capture.enabled && rows.len() != want {
+            return Err(Error::Llama(format!(
+                "captured {} hidden values, expected {want} (model graph has no result_norm?)",
+                rows.len()
+            )));
+        }
+        Ok(rows)
+    }
+
+    /// The logits of batch row `i` of the last decode; that row must have requested output.
+    pub fn logits(&self, i: usize) -> &[f32] {
+        // SAFETY: llama.cpp returns a pointer to n_vocab floats valid until the next decode,
+        // and `&self` borrows keep decode (which takes `&mut self`) from running meanwhile.
+        unsafe {
+            let p = sys::llama_get_logits_ith(self.ptr.as_ptr(), i as i32);
+            assert!(!p.is_null(), "logits requested for a row without output");
+            std::slice::from_raw_parts(p, self.n_vocab)
+        }
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: batch and ctx were allocated by llama.cpp and are freed once; the capture box
+        // is dropped after the context that pointed to it.
+        unsafe {
+            sys::llama_batch_free(self.batch);
+            sys::llama_free(self.ptr.as_ptr());
+        }
+    }
+}
+
+/// ggml's dequantisation of `n` values of type `ty` from `src` into f32.
+///
+/// # Errors
+/// [`Error::Invalid`] for a type ggml cannot convert to float.
+pub fn dequantize(ty: u32, src: &[u8], n: usize) -> Result<Vec<f32>> {
+    // SAFETY: ggml returns static trait tables; to_float reads exactly the bytes of n values,
+    // which the caller sized `src` for (checked below).
+    unsafe {
+        let tr = sys::ggml_get_type_traits(ty as sys::ggml_type);
+        if tr.is_null() {
+            return Err(Error::Invalid(format!("unknown ggml type {ty}")));
+        }
+        let tr = &*tr;
+        let need = n / tr.blck_size as usize * tr.type_size;
+        if n % tr.blck_size as usize != 0 || src.len() < need {
+            return Err(Error::Invalid(format!(
+                "{} bytes cannot hold {n} values of ggml type {ty}",
+                src.len()
+            )));
+        }
+        let mut out = vec![0f32; n];
+        if ty == sys::GGML_TYPE_Q8_1 {
+            // ggml has no to_float for Q8_1 (it is only an activation format):
+            // blocks of {f16 d, f16 s, i8 qs[32]}, value = d * q.
+            for (b, blk) in src[..need].chunks_exact(36).enumerate() {
+                let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                for j in 0..32 {
+                    out[b * 32 + j] = d * f32::from(blk[4 + j] as i8);
+                }
+            }
+            return Ok(out);
+        }
+        if ty == sys::GGML_TYPE_F32 {
+            std::ptr::copy_nonoverlapping(src.as_ptr() as *const f32, out.as_mut_ptr(), n);
+            return Ok(out);
+        }
+        let f = tr
+            .to_float
+            .ok_or_else(|| Error::Invalid(format!("ggml type {ty} has no to_float")))?;
+        f(src.as_ptr() as *const c_void, out.as_mut_ptr(), n as i64);
+        Ok(out)
+    }
+}
+
+/// Bytes taken by `n` values of ggml type `ty`.
+///
+/// # Errors
+/// [`Error::Invalid`] for an unknown type or a length that is not a multiple of its block.
+pub fn row_size(ty: u32, n: usize) -> Result<usize> {
+    // SAFETY: static trait table lookup.
+    let tr = unsafe { sys::ggml_get_type_traits(ty as sys::ggml_type) };
+    if tr.is_null() {
+        return Err(Error::Invalid(format!("unknown ggml type {ty}")));
+    }
+    // SAFETY: non-null static table.
+    let tr = unsafe { &*tr };
+    let blck = tr.blck_size.max(1) as usize;
+    if tr.type_size == 0 || n % blck != 0 {
+        return Err(Error::Invalid(format!("{n} values do not fill blocks of ggml type {ty}")));
+    }
+    Ok(n / blck * tr.type_size)
+}
+
+/// The type the CPU backend converts activations to before a matmul with a weight of type
+/// `weight_ty` (e.g. Q8_0 for Q8_0 weights, Q8_1 for Q4_1).
+pub fn vec_dot_type(weight_ty: u32) -> u32 {
+    // SAFETY: static trait table lookup.
+    unsafe {
+        let tr = sys::ggml_get_type_traits_cpu(weight_ty as sys::ggml_type);
+        if tr.is_null() {
+            return sys::GGML_TYPE_F32;
+        }
+        (*tr).vec_dot_type
+    }
+}
+
+/// Rounds a row of activations through `ty` the way the CPU backend does before its matmul
+/// (quantise with the CPU `from_float`, then dequantise), so that an f32 matmul against the
+/// dequantised weight reproduces llama.cpp's logits.
+///
+/// # Errors
+/// [`Error::Invalid`] when the row length is not a multiple of the type's block size.
+pub fn round_through(ty: u32, row: &[f32]) -> Result<Vec<f32>> {
+    if ty == sys::GGML_TYPE_F32 {
+        return Ok(row.to_vec());
+    }
+    // SAFETY: static trait tables; buffers sized from the type's block and type sizes.
+    unsafe {
+        let tr = &*sys::ggml_get_type_traits(ty as sys::ggml_type);
+        let cpu = sys::ggml_get_type_traits_cpu(ty as sys::ggml_type);
+        let blck = tr.blck_size as usize;
+        if row.len() % blck != 0 {
+            return Err(Error::Invalid(format!("row of {} is not a multiple of {blck}", row.len())));
+        }
+        let from = if cpu.is_null() { None } else { (*cpu).from_float }
+            .or(tr.from_float_ref)
+            .ok_or_else(|| Error::Invalid(format!("ggml type {ty} has no from_float")))?;
+        let mut q = vec![0u8; row.len() / blck * tr.type_size];
+        from(row.as_ptr(), q.as_mut_ptr() as *mut c_void, row.len() as i64);
+        dequantize(ty, &q, row.len())
+    }
+}

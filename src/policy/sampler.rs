@@ -1,0 +1,224 @@
+//! The sampler: temperature, top-k, top-p over logits, with the log-probability of the sampled
+//! token under the exact distribution it was drawn from (the *behaviour* log-prob) and under the
+//! full softmax at temperature 1.
+//!
+//! Turnwise samples itself instead of using llama.cpp's sampler chain so that the behaviour
+//! log-prob is computed by the same code that draws the token, and so that an adapter's logit
+//! correction is applied before sampling. The random stream is a SplitMix64 generator: the same
+//! seed gives the same draws on every platform and every version of this crate.
+
+use serde::{Deserialize, Serialize};
+
+/// Sampler settings; stored as JSON with every turn they produced.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplerParams {
+    /// softmax temperature; `<= 0` means greedy
+    pub temperature: f32,
+    /// nucleus mass kept (1.0 disables)
+    pub top_p: f32,
+    /// number of highest logits kept (0 disables)
+    pub top_k: usize,
+    /// most tokens generated in one turn
+    pub max_tokens: usize,
+    /// seed of the random stream of this turn
+    pub seed: u64,
+    /// stop strings: generation ends once the reply contains one of them
+    pub stop: Vec<String>,
+    /// never sample end-of-generation tokens (benchmarks); their logits are masked
+    pub ignore_eog: bool,
+}
+
+impl Default for SamplerParams {
+    fn default() -> Self {
+        SamplerParams {
+            temperature: 0.8,
+            top_p: 0.95,
+            top_k: 40,
+            max_tokens: 128,
+            seed: 0,
+            stop: Vec::new(),
+            ignore_eog: false,
+        }
+    }
+}
+
+/// A deterministic SplitMix64 random stream.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A stream from a seed.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `[0, 1)` with 53 bits.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// One sampled token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampled {
+    /// the token id
+    pub token: i32,
+    /// log-prob under the truncated, tempered distribution it was drawn from
+    pub logp_behavior: f32,
+    /// log-prob under the full softmax at temperature 1
+    pub logp_full: f32,
+}
+
+/// `log Σ exp(x)`, computed in f64.
+pub fn logsumexp(x: &[f32]) -> f64 {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    if !m.is_finite() {
+        return m;
+    }
+    m + x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln()
+}
+
+/// The distribution the sampler draws from: candidates in descending logit order with their
+/// renormalised probabilities. Greedy (`temperature <= 0`) is the single arg-max.
+pub fn distribution(logits: &[f32], p: &SamplerParams) -> Vec<(i32, f64)> {
+    let desc = |a: &(i32, f32), b: &(i32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let mut cand: Vec<(i32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as i32, l)).collect();
+    if p.temperature <= 0.0 {
+        let best = cand.iter().copied().min_by(desc).unwrap_or((0, 0.0));
+        return vec![(best.0, 1.0)];
+    }
+    if p.top_k > 0 && p.top_k < cand.len() {
+        cand.select_nth_unstable_by(p.top_k - 1, desc);
+        cand.truncate(p.top_k);
+    }
+    cand.sort_unstable_by(desc);
+    let t = p.temperature as f64;
+    let m = cand[0].1 as f64 / t;
+    let mut probs: Vec<f64> = cand.iter().map(|c| (c.1 as f64 / t - m).exp()).collect();
+    let z: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|q| *q /= z);
+    let mut keep = probs.len();
+    if p.top_p < 1.0 {
+        let mut cum = 0.0;
+        for (i, q) in probs.iter().enumerate() {
+            cum += q;
+            if cum >= p.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    let z: f64 = probs[..keep].iter().sum();
+    cand[..keep]
+        .iter()
+        .zip(&probs[..keep])
+        .map(|(c, q)| (c.0, q / z))
+        .collect()
+}
+
+/// Draws one token from `logits` with settings `p`.
+pub fn sample(logits: &[f32], p: &SamplerParams, rng: &mut Rng) -> Sampled {
+    let dist = distribution(logits, p);
+    let u = rng.next_f64();
+    let mut cum = 0.0;
+    let mut pick = dist[dist.len() - 1];
+    for &(tok, q) in &dist {
+        cum += q;
+        if u < cum {
+            pick = (tok, q);
+            break;
+        }
+    }
+    let lse = logsumexp(logits);
+    Sampled {
+        token: pick.0,
+        logp_behavior: pick.1.ln() as f32,
+        logp_full: (logits[pick.0 as usize] as f64 - lse) as f32,
+    }
+}
+
+/// The behaviour log-prob of `token` under settings `p` (`None` when truncation excludes it).
+pub fn behavior_logprob(logits: &[f32], p: &SamplerParams, token: i32) -> Option<f64> {
+    distribution(logits, p)
+        .into_iter()
+        .find(|&(t, _)| t == token)
+        .map(|(_, q)| q.ln())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(t: f32, top_p: f32, top_k: usize) -> SamplerParams {
+        SamplerParams {
+            temperature: t,
+            top_p,
+            top_k,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn hand_computed_distribution() {
+        // logits ln(4), ln(2), ln(1), ln(1): softmax = .5 .25 .125 .125
+        let l = [4f32.ln(), 2f32.ln(), 0.0, 0.0];
+        let d = distribution(&l, &params(1.0, 1.0, 0));
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        assert!((d[0].1 - 0.5).abs() < 1e-9 && (d[3].1 - 0.125).abs() < 1e-9);
+        // top-p 0.7: keeps .5 + .25 (cum .75 >= .7) -> renormalised 2/3, 1/3
+        let d = distribution(&l, &params(1.0, 0.7, 0));
+        assert_eq!(d.len(), 2);
+        assert!((d[0].1 - 2.0 / 3.0).abs() < 1e-9);
+        // top-k 3 then T = 0.5: weights 16, 4, 1 over 21
+        let d = distribution(&l, &params(0.5, 1.0, 3));
+        assert_eq!(d.len(), 3);
+        assert!((d[0].1 - 16.0 / 21.0).abs() < 1e-6 && (d[2].1 - 1.0 / 21.0).abs() < 1e-6);
+        // greedy
+        assert_eq!(distribution(&l, &params(0.0, 1.0, 0)), vec![(0, 1.0)]);
+    }
+
+    #[test]
+    fn sampled_logprobs_match_the_distribution() {
+        let l = [1.0f32, 3.0, 2.0, -1.0, 0.5];
+        let p = params(0.7, 0.9, 4);
+        let mut rng = Rng::new(7);
+        for _ in 0..50 {
+            let s = sample(&l, &p, &mut rng);
+            let b = behavior_logprob(&l, &p, s.token).unwrap();
+            assert!((s.logp_behavior as f64 - b).abs() < 1e-6);
+            let full = l[s.token as usize] as f64 - logsumexp(&l);
+            assert!((s.logp_full as f64 - full).abs() < 1e-6);
+        }
+        assert_eq!(behavior_logprob(&l, &p, 3), None, "excluded by top-k");
+    }
+
+    #[test]
+    fn same_seed_same_draws_and_frequencies_follow_probabilities() {
+        let l = [0.0f32, 1.0f32.ln() + 1.0, 2.0];
+        let p = params(1.0, 1.0, 0);
+        let draws = |seed| {
+            let mut r = Rng::new(seed);
+            (0..20).map(|_| sample(&l, &p, &mut r).token).collect::<Vec<_>>()
+        };
+        assert_eq!(draws(3), draws(3));
+        assert_ne!(draws(3), draws(4));
+        let mut r = Rng::new(1);
+        let n = 20000;
+        let hits = (0..n).filter(|_| sample(&l, &p, &mut r).token == 2).count();
+        let want = 2f64.exp() / (1.0 + 1f64.exp() + 2f64.exp());
+        assert!(((hits as f64 / n as f64) - want).abs() < 0.015);
+    }
+
+    #[test]
+    fn logsumexp_is_stable() {
+        assert!((logsumexp(&[1000.0, 1000.0]) - (1000.0 + 2f64.ln())).abs() < 1e-9);
+    }
+}

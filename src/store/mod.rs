@@ -1,0 +1,814 @@
+//! The turn log: every session, turn, sampled token and feature, in one SQLite file.
+//!
+//! All SQL of Turnwise lives in this module. The schema comes from the numbered files in
+//! `migrations/`, applied on open (tracked by `PRAGMA user_version`); the database runs in WAL
+//! mode with `synchronous = FULL`, and each logical write (a session's new turns, an import) is
+//! one transaction, so a turn that was acknowledged survives a crash the next instant.
+
+mod blob;
+
+use std::path::Path;
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::{Deserialize, Serialize};
+
+pub use blob::{f16_blob, f32_blob, from_f16_blob, from_f32_blob, from_i32_blob, i32_blob};
+
+use crate::error::{Error, Result};
+use crate::policy::{Role, SamplerParams};
+
+/// The migrations, in order. Each is applied once, in its own transaction.
+pub const MIGRATIONS: &[(&str, &str)] = &[
+    ("0001_init.sql", include_str!("../../migrations/0001_init.sql")),
+    (
+        "0002_updates_metrics.sql",
+        include_str!("../../migrations/0002_updates_metrics.sql"),
+    ),
+];
+
+/// Where a session came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    /// the HTTP server
+    Live,
+    /// `turnwise chat`
+    Chat,
+    /// `turnwise import`
+    Import,
+    /// `turnwise demo`
+    Demo,
+}
+
+impl Source {
+    /// The name stored in `sessions.source`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Live => "live",
+            Source::Chat => "chat",
+            Source::Import => "import",
+            Source::Demo => "demo",
+        }
+    }
+}
+
+/// How an assistant turn's log-probs were obtained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Behavior {
+    /// sampled here; log-probs and features are from the sampling pass
+    Sampled,
+    /// not sampled here (import); scored once in a prefill by the frozen policy
+    Rescored,
+}
+
+impl Behavior {
+    fn as_str(self) -> &'static str {
+        match self {
+            Behavior::Sampled => "sampled",
+            Behavior::Rescored => "rescored",
+        }
+    }
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "sampled" => Some(Behavior::Sampled),
+            "rescored" => Some(Behavior::Rescored),
+            _ => None,
+        }
+    }
+}
+
+/// A session to create.
+#[derive(Debug, Clone)]
+pub struct NewSession {
+    /// origin
+    pub source: Source,
+    /// comparable sessions share a key (scenario, prompt, cluster)
+    pub group_key: Option<String>,
+    /// ground-truth final answer
+    pub reference: Option<String>,
+    /// hash of the imported content (duplicates are refused)
+    pub content_hash: Option<String>,
+    /// free-form JSON
+    pub metadata: serde_json::Value,
+}
+
+impl NewSession {
+    /// A session of the given source with nothing else set.
+    pub fn new(source: Source) -> Self {
+        NewSession {
+            source,
+            group_key: None,
+            reference: None,
+            content_hash: None,
+            metadata: serde_json::json!({}),
+        }
+    }
+}
+
+/// Per-token data of an assistant turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// log-prob under the distribution each token was sampled from
+    pub logp_behavior: Vec<f32>,
+    /// log-prob under the full softmax at temperature 1
+    pub logp_full: Vec<f32>,
+}
+
+/// A turn to append.
+#[derive(Debug, Clone)]
+pub struct NewTurn {
+    /// author
+    pub role: Role,
+    /// text
+    pub text: String,
+    /// tokens this turn appended to the context
+    pub token_ids: Vec<i32>,
+    /// context length before the turn
+    pub context_len: usize,
+    /// sampler settings (assistant turns)
+    pub sampler: Option<SamplerParams>,
+    /// sampled or rescored (assistant turns)
+    pub behavior: Option<Behavior>,
+    /// why generation ended
+    pub stop_reason: Option<String>,
+    /// adapter that produced it
+    pub adapter_id: Option<i64>,
+    /// chat template
+    pub template: Option<String>,
+    /// the template was not append-only here
+    pub retokenized: bool,
+    /// wall time to produce it
+    pub latency_ms: Option<f64>,
+    /// per-token log-probs (assistant turns)
+    pub logprobs: Option<TokenLogprobs>,
+    /// hidden states, `token_ids.len() × n_embd` (stored as f16)
+    pub hidden: Option<(usize, Vec<f32>)>,
+}
+
+impl NewTurn {
+    /// A turn with only text and tokens (system, user and tool messages).
+    pub fn message(role: Role, text: impl Into<String>, token_ids: Vec<i32>, context_len: usize) -> Self {
+        NewTurn {
+            role,
+            text: text.into(),
+            token_ids,
+            context_len,
+            sampler: None,
+            behavior: None,
+            stop_reason: None,
+            adapter_id: None,
+            template: None,
+            retokenized: false,
+            latency_ms: None,
+            logprobs: None,
+            hidden: None,
+        }
+    }
+}
+
+/// A stored session.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionRecord {
+    /// id
+    pub id: i64,
+    /// creation time (UTC, ISO 8601)
+    pub created_at: String,
+    /// end time
+    pub ended_at: Option<String>,
+    /// origin
+    pub source: String,
+    /// group key
+    pub group_key: Option<String>,
+    /// outcome reward
+    pub outcome_reward: Option<f64>,
+    /// ground truth
+    pub reference: Option<String>,
+    /// metadata JSON
+    pub metadata: serde_json::Value,
+    /// last time learned from
+    pub learned_at: Option<String>,
+}
+
+/// A stored turn.
+#[derive(Debug, Clone, Serialize)]
+pub struct TurnRecord {
+    /// id
+    pub id: i64,
+    /// session
+    pub session_id: i64,
+    /// index in the session
+    pub idx: i64,
+    /// author
+    pub role: Role,
+    /// text
+    pub text: String,
+    /// tokens appended
+    pub token_ids: Vec<i32>,
+    /// context length before the turn
+    pub context_len: usize,
+    /// sampler settings
+    pub sampler: Option<SamplerParams>,
+    /// sampled or rescored
+    pub behavior: Option<Behavior>,
+    /// why generation ended
+    pub stop_reason: Option<String>,
+    /// adapter
+    pub adapter_id: Option<i64>,
+    /// template
+    pub template: Option<String>,
+    /// re-tokenised flag
+    pub retokenized: bool,
+    /// latency
+    pub latency_ms: Option<f64>,
+    /// creation time
+    pub created_at: String,
+}
+
+/// A feedback row.
+#[derive(Debug, Clone, Serialize)]
+pub struct FeedbackRecord {
+    /// turn it concerns, if any
+    pub turn_idx: Option<i64>,
+    /// thumb | outcome | note
+    pub kind: String,
+    /// value
+    pub value: Option<f64>,
+    /// note
+    pub note: Option<String>,
+}
+
+/// Storage used by the log.
+#[derive(Debug, Clone, Serialize)]
+pub struct StorageStats {
+    /// sessions
+    pub sessions: i64,
+    /// turns
+    pub turns: i64,
+    /// assistant tokens with log-probs
+    pub sampled_tokens: i64,
+    /// assistant tokens that still have features
+    pub tokens_with_features: i64,
+    /// bytes of feature blobs
+    pub feature_bytes: i64,
+    /// bytes of token ids and log-prob blobs
+    pub token_bytes: i64,
+    /// size of the database file(s)
+    pub file_bytes: i64,
+}
+
+impl StorageStats {
+    /// Bytes per sampled token that still has features (features + ids + log-probs).
+    pub fn bytes_per_featured_token(&self) -> f64 {
+        if self.tokens_with_features == 0 {
+            return 0.0;
+        }
+        self.feature_bytes as f64 / self.tokens_with_features as f64
+            + self.token_bytes as f64 / self.sampled_tokens.max(1) as f64
+    }
+}
+
+/// The SQLite turn log.
+pub struct Store {
+    conn: Connection,
+}
+
+const TURN_COLUMNS: &str = "id, session_id, idx, role, text, token_ids, context_len, sampler, behavior, \
+     stop_reason, adapter_id, template, retokenized, latency_ms, created_at";
+const SESSION_COLUMNS: &str =
+    "id, created_at, ended_at, source, group_key, outcome_reward, reference, metadata, learned_at";
+
+impl Store {
+    /// Opens (creating if needed) the database at `path` and applies pending migrations.
+    ///
+    /// # Errors
+    /// SQLite errors, or [`Error::Migration`].
+    pub fn open(path: &Path) -> Result<Self> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        }
+        let conn = Connection::open(path)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        Self::setup(conn)
+    }
+
+    /// A private in-memory database (tests).
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn in_memory() -> Result<Self> {
+        Self::setup(Connection::open_in_memory()?)
+    }
+
+    fn setup(mut conn: Connection) -> Result<Self> {
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        migrate(&mut conn)?;
+        Ok(Store { conn })
+    }
+
+    /// The schema version (number of migrations applied).
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn schema_version(&self) -> Result<i64> {
+        Ok(self.conn.pragma_query_value(None, "user_version", |r| r.get(0))?)
+    }
+
+    /// Creates a session and returns its id.
+    ///
+    /// # Errors
+    /// SQLite errors (a duplicate `content_hash` among them).
+    pub fn create_session(&self, s: &NewSession) -> Result<i64> {
+        insert_session(&self.conn, s)
+    }
+
+    /// Creates a session together with its turns in one transaction (imports).
+    ///
+    /// # Errors
+    /// SQLite errors; nothing is written on error.
+    pub fn create_session_with_turns(&mut self, s: &NewSession, turns: &[NewTurn]) -> Result<(i64, Vec<i64>)> {
+        let tx = self.conn.transaction()?;
+        let id = insert_session(&tx, s)?;
+        let ids = insert_turns(&tx, id, turns)?;
+        tx.commit()?;
+        Ok((id, ids))
+    }
+
+    /// Appends turns to a session in one transaction and returns their ids.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] for an unknown session; SQLite errors (nothing is written then).
+    pub fn append_turns(&mut self, session_id: i64, turns: &[NewTurn]) -> Result<Vec<i64>> {
+        let tx = self.conn.transaction()?;
+        let exists: Option<i64> = tx
+            .query_row("SELECT id FROM sessions WHERE id = ?1", [session_id], |r| r.get(0))
+            .optional()?;
+        if exists.is_none() {
+            return Err(Error::NotFound(format!("session {session_id}")));
+        }
+        let ids = insert_turns(&tx, session_id, turns)?;
+        tx.commit()?;
+        Ok(ids)
+    }
+
+    /// The session whose imported content has this hash.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn session_by_hash(&self, hash: &str) -> Result<Option<i64>> {
+        Ok(self
+            .conn
+            .query_row("SELECT id FROM sessions WHERE content_hash = ?1", [hash], |r| r.get(0))
+            .optional()?)
+    }
+
+    /// Records feedback; `kind = "outcome"` also sets the session's outcome reward.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`]; SQLite errors.
+    pub fn add_feedback(
+        &mut self,
+        session_id: i64,
+        turn_idx: Option<i64>,
+        kind: &str,
+        value: Option<f64>,
+        note: Option<&str>,
+    ) -> Result<()> {
+        let tx = self.conn.transaction()?;
+        let n = tx.execute(
+            "UPDATE sessions SET outcome_reward = CASE WHEN ?2 = 'outcome' THEN ?3 ELSE outcome_reward END WHERE id = ?1",
+            params![session_id, kind, value],
+        )?;
+        if n == 0 {
+            return Err(Error::NotFound(format!("session {session_id}")));
+        }
+        tx.execute(
+            "INSERT INTO feedback (session_id, turn_idx, kind, value, note) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![session_id, turn_idx, kind, value, note],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Marks a session ended.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`]; SQLite errors.
+    pub fn end_session(&self, session_id: i64) -> Result<()> {
+        let n = self.conn.execute(
+            "UPDATE sessions SET ended_at = COALESCE(ended_at, strftime('%Y-%m-%dT%H:%M:%fZ', 'now')) WHERE id = ?1",
+            [session_id],
+        )?;
+        if n == 0 {
+            return Err(Error::NotFound(format!("session {session_id}")));
+        }
+        Ok(())
+    }
+
+    /// Marks sessions as learned from (they become eligible for feature retention).
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn mark_learned(&mut self, session_ids: &[i64]) -> Result<()> {
+        let tx = self.conn.transaction()?;
+        {
+            let mut st = tx.prepare(
+                "UPDATE sessions SET learned_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE id = ?1",
+            )?;
+            for id in session_ids {
+                st.execute([id])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// One session.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`]; SQLite errors.
+    pub fn session(&self, id: i64) -> Result<SessionRecord> {
+        let sql = format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ?1");
+        self.conn
+            .query_row(&sql, [id], session_row)
+            .optional()?
+            .ok_or_else(|| Error::NotFound(format!("session {id}")))
+    }
+
+    /// Sessions, newest first, optionally of one source.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn sessions(&self, source: Option<Source>, limit: usize) -> Result<Vec<SessionRecord>> {
+        let sql = format!(
+            "SELECT {SESSION_COLUMNS} FROM sessions WHERE (?1 IS NULL OR source = ?1) ORDER BY id DESC LIMIT ?2"
+        );
+        let mut st = self.conn.prepare(&sql)?;
+        let rows = st.query_map(params![source.map(Source::as_str), limit as i64], session_row)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// The turns of a session in order.
+    ///
+    /// # Errors
+    /// SQLite errors; [`Error::Corrupt`] for undecodable rows.
+    pub fn turns(&self, session_id: i64) -> Result<Vec<TurnRecord>> {
+        let sql = format!("SELECT {TURN_COLUMNS} FROM turns WHERE session_id = ?1 ORDER BY idx");
+        let mut st = self.conn.prepare(&sql)?;
+        let rows = st.query_map([session_id], turn_row)?;
+        rows.map(|r| r.map_err(Error::from).and_then(|r| r))
+            .collect()
+    }
+
+    /// Feedback rows of a session.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn feedback(&self, session_id: i64) -> Result<Vec<FeedbackRecord>> {
+        let mut st = self.conn.prepare(
+            "SELECT turn_idx, kind, value, note FROM feedback WHERE session_id = ?1 ORDER BY id",
+        )?;
+        let rows = st.query_map([session_id], |r| {
+            Ok(FeedbackRecord {
+                turn_idx: r.get(0)?,
+                kind: r.get(1)?,
+                value: r.get(2)?,
+                note: r.get(3)?,
+            })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Annotations of a session's turns as JSON objects `{turn_idx, kind, value, producer}`.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn annotations_of_session(&self, session_id: i64) -> Result<Vec<serde_json::Value>> {
+        let mut st = self.conn.prepare(
+            "SELECT t.idx, a.kind, a.value, a.producer FROM annotations a JOIN turns t ON t.id = a.turn_id
+             WHERE t.session_id = ?1 ORDER BY t.idx, a.id",
+        )?;
+        let rows = st.query_map([session_id], |r| {
+            Ok(serde_json::json!({
+                "turn_idx": r.get::<_, i64>(0)?, "kind": r.get::<_, String>(1)?,
+                "value": r.get::<_, f64>(2)?, "producer": r.get::<_, String>(3)?,
+            }))
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Per-token log-probs of an assistant turn.
+    ///
+    /// # Errors
+    /// SQLite errors; [`Error::Corrupt`].
+    pub fn token_logprobs(&self, turn_id: i64) -> Result<Option<TokenLogprobs>> {
+        let row: Option<(Vec<u8>, Vec<u8>)> = self
+            .conn
+            .query_row(
+                "SELECT logp_behavior, logp_full FROM tokens WHERE turn_id = ?1",
+                [turn_id],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?;
+        row.map(|(b, f)| {
+            Ok(TokenLogprobs {
+                logp_behavior: from_f32_blob(&b)?,
+                logp_full: from_f32_blob(&f)?,
+            })
+        })
+        .transpose()
+    }
+
+    /// Hidden states of an assistant turn: `(n_embd, values)`.
+    ///
+    /// # Errors
+    /// SQLite errors; [`Error::Corrupt`].
+    pub fn features(&self, turn_id: i64) -> Result<Option<(usize, Vec<f32>)>> {
+        let row: Option<(i64, Vec<u8>)> = self
+            .conn
+            .query_row(
+                "SELECT n_embd, hidden FROM features WHERE turn_id = ?1",
+                [turn_id],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?;
+        row.map(|(n, b)| Ok((n as usize, from_f16_blob(&b)?))).transpose()
+    }
+
+    /// Drops the features (not the text, tokens or log-probs) of sessions created more than
+    /// `older_than_days` ago; with `only_learned`, only of sessions an update has used.
+    /// Returns the number of turns whose features were dropped.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn gc_features(&mut self, older_than_days: f64, only_learned: bool) -> Result<usize> {
+        let tx = self.conn.transaction()?;
+        let n = tx.execute(
+            "DELETE FROM features WHERE turn_id IN (
+                 SELECT t.id FROM turns t JOIN sessions s ON s.id = t.session_id
+                 WHERE julianday(s.created_at) <= julianday('now') - ?1
+                   AND (?2 = 0 OR s.learned_at IS NOT NULL))",
+            params![older_than_days, only_learned],
+        )?;
+        tx.commit()?;
+        Ok(n)
+    }
+
+    /// Reclaims free pages after a large deletion.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn vacuum(&self) -> Result<()> {
+        self.conn.execute_batch("VACUUM")?;
+        Ok(())
+    }
+
+    /// How much the log takes.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn storage_stats(&self) -> Result<StorageStats> {
+        let q = |sql: &str| -> Result<i64> { Ok(self.conn.query_row(sql, [], |r| r.get::<_, Option<i64>>(0))?.unwrap_or(0)) };
+        let page_count = q("PRAGMA page_count")?;
+        let page_size = q("PRAGMA page_size")?;
+        Ok(StorageStats {
+            sessions: q("SELECT COUNT(*) FROM sessions")?,
+            turns: q("SELECT COUNT(*) FROM turns")?,
+            sampled_tokens: q("SELECT SUM(t.n_tokens) FROM turns t JOIN tokens k ON k.turn_id = t.id")?,
+            tokens_with_features: q("SELECT SUM(t.n_tokens) FROM turns t JOIN features f ON f.turn_id = t.id")?,
+            feature_bytes: q("SELECT SUM(length(hidden)) FROM features")?,
+            token_bytes: q(
+                "SELECT SUM(length(k.logp_behavior) + length(k.logp_full) + length(t.token_ids))
+                 FROM tokens k JOIN turns t ON t.id = k.turn_id",
+            )?,
+            file_bytes: page_count * page_size,
+        })
+    }
+
+    /// The underlying connection, for read-only ad-hoc queries in tests and reports.
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+}
+
+fn migrate(conn: &mut Connection) -> Result<()> {
+    let current: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    for (i, (name, sql)) in MIGRATIONS.iter().enumerate() {
+        let version = i as i64 + 1;
+        if version <= current {
+            continue;
+        }
+        let fail = |e: rusqlite::Error| Error::Migration {
+            version,
+            name: (*name).to_string(),
+            reason: e.to_string(),
+        };
+        let tx = conn.transaction().map_err(fail)?;
+        tx.execute_batch(sql).map_err(fail)?;
+        tx.pragma_update(None, "user_version", version).map_err(fail)?;
+        tx.commit().map_err(fail)?;
+        tracing::debug!(version, name, "migration applied");
+    }
+    Ok(())
+}
+
+fn insert_session(conn: &Connection, s: &NewSession) -> Result<i64> {
+    conn.execute(
+        "INSERT INTO sessions (source, group_key, reference, content_hash, metadata) VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![
+            s.source.as_str(),
+            s.group_key,
+            s.reference,
+            s.content_hash,
+            s.metadata.to_string()
+        ],
+    )?;
+    Ok(conn.last_insert_rowid())
+}
+
+fn insert_turns(conn: &Connection, session_id: i64, turns: &[NewTurn]) -> Result<Vec<i64>> {
+    let next: i64 = conn.query_row(
+        "SELECT COALESCE(MAX(idx) + 1, 0) FROM turns WHERE session_id = ?1",
+        [session_id],
+        |r| r.get(0),
+    )?;
+    let mut ids = Vec::with_capacity(turns.len());
+    for (k, t) in turns.iter().enumerate() {
+        if let Some(lp) = &t.logprobs {
+            if lp.logp_behavior.len() != t.token_ids.len() || lp.logp_full.len() != t.token_ids.len() {
+                return Err(Error::Invalid("log-probs do not align with tokens".into()));
+            }
+        }
+        if let Some((n_embd, h)) = &t.hidden {
+            if h.len() != n_embd * t.token_ids.len() {
+                return Err(Error::Invalid("hidden states do not align with tokens".into()));
+            }
+        }
+        let sampler = t.sampler.as_ref().map(serde_json::to_string).transpose()?;
+        conn.execute(
+            "INSERT INTO turns (session_id, idx, role, text, token_ids, n_tokens, context_len, sampler,
+                 behavior, stop_reason, adapter_id, template, retokenized, latency_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+            params![
+                session_id,
+                next + k as i64,
+                t.role.as_str(),
+                t.text,
+                i32_blob(&t.token_ids),
+                t.token_ids.len() as i64,
+                t.context_len as i64,
+                sampler,
+                t.behavior.map(Behavior::as_str),
+                t.stop_reason,
+                t.adapter_id,
+                t.template,
+                t.retokenized,
+                t.latency_ms
+            ],
+        )?;
+        let id = conn.last_insert_rowid();
+        if let Some(lp) = &t.logprobs {
+            conn.execute(
+                "INSERT INTO tokens (turn_id, logp_behavior, logp_full) VALUES (?1, ?2, ?3)",
+                params![id, f32_blob(&lp.logp_behavior), f32_blob(&lp.logp_full)],
+            )?;
+        }
+        if let Some((n_embd, h)) = &t.hidden {
+            conn.execute(
+                "INSERT INTO features (turn_id, n_embd, dtype, hidden) VALUES (?1, ?2, 'f16', ?3)",
+                params![id, *n_embd as i64, f16_blob(h)],
+            )?;
+        }
+        ids.push(id);
+    }
+    Ok(ids)
+}
+
+fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRecord> {
+    let meta: String = r.get(7)?;
+    Ok(SessionRecord {
+        id: r.get(0)?,
+        created_at: r.get(1)?,
+        ended_at: r.get(2)?,
+        source: r.get(3)?,
+        group_key: r.get(4)?,
+        outcome_reward: r.get(5)?,
+        reference: r.get(6)?,
+        metadata: serde_json::from_str(&meta).unwrap_or(serde_json::Value::Null),
+        learned_at: r.get(8)?,
+    })
+}
+
+fn turn_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Result<TurnRecord>> {
+    let role: String = r.get(3)?;
+    let ids: Vec<u8> = r.get(5)?;
+    let sampler: Option<String> = r.get(7)?;
+    let behavior: Option<String> = r.get(8)?;
+    let build = || -> Result<TurnRecord> {
+        Ok(TurnRecord {
+            id: r.get(0)?,
+            session_id: r.get(1)?,
+            idx: r.get(2)?,
+            role: Role::parse(&role).map_err(|_| Error::Corrupt(format!("role {role}")))?,
+            text: r.get(4)?,
+            token_ids: from_i32_blob(&ids)?,
+            context_len: r.get::<_, i64>(6)? as usize,
+            sampler: sampler.as_deref().map(serde_json::from_str).transpose()?,
+            behavior: behavior.as_deref().and_then(Behavior::parse),
+            stop_reason: r.get(9)?,
+            adapter_id: r.get(10)?,
+            template: r.get(11)?,
+            retokenized: r.get(12)?,
+            latency_ms: r.get(13)?,
+            created_at: r.get(14)?,
+        })
+    };
+    Ok(build())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assistant(ids: Vec<i32>, ctx: usize) -> NewTurn {
+        let n = ids.len();
+        NewTurn {
+            behavior: Some(Behavior::Sampled),
+            sampler: Some(SamplerParams::default()),
+            logprobs: Some(TokenLogprobs {
+                logp_behavior: vec![-0.5; n],
+                logp_full: vec![-0.75; n],
+            }),
+            hidden: Some((4, (0..n * 4).map(|i| i as f32 * 0.25).collect())),
+            ..NewTurn::message(Role::Assistant, "ok", ids, ctx)
+        }
+    }
+
+    #[test]
+    fn turns_round_trip_with_logprobs_and_features() {
+        let mut s = Store::in_memory().unwrap();
+        assert_eq!(s.schema_version().unwrap(), MIGRATIONS.len() as i64);
+        let sid = s.create_session(&NewSession::new(Source::Chat)).unwrap();
+        let ids = s
+            .append_turns(sid, &[NewTurn::message(Role::User, "hi", vec![1, 2, 3], 0), assistant(vec![7, 8], 3)])
+            .unwrap();
+        let turns = s.turns(sid).unwrap();
+        assert_eq!(turns.len(), 2);
+        assert_eq!(turns[0].token_ids, vec![1, 2, 3]);
+        assert_eq!(turns[1].idx, 1);
+        assert_eq!(turns[1].behavior, Some(Behavior::Sampled));
+        let lp = s.token_logprobs(ids[1]).unwrap().unwrap();
+        assert_eq!(lp.logp_full, vec![-0.75, -0.75]);
+        let (n, h) = s.features(ids[1]).unwrap().unwrap();
+        assert_eq!(n, 4);
+        assert_eq!(h[5], 1.25);
+        // a second exchange continues the index
+        s.append_turns(sid, &[NewTurn::message(Role::User, "more", vec![4], 5)]).unwrap();
+        assert_eq!(s.turns(sid).unwrap()[2].idx, 2);
+        let st = s.storage_stats().unwrap();
+        assert_eq!((st.sampled_tokens, st.tokens_with_features), (2, 2));
+        assert_eq!(st.feature_bytes, 2 * 4 * 2);
+    }
+
+    #[test]
+    fn misaligned_turn_writes_nothing() {
+        let mut s = Store::in_memory().unwrap();
+        let sid = s.create_session(&NewSession::new(Source::Chat)).unwrap();
+        let mut bad = assistant(vec![1, 2], 0);
+        bad.hidden = Some((4, vec![0.0; 3]));
+        let good = NewTurn::message(Role::User, "hi", vec![1], 0);
+        assert!(s.append_turns(sid, &[good, bad]).is_err());
+        assert!(s.turns(sid).unwrap().is_empty(), "the transaction must roll back");
+        assert!(matches!(s.append_turns(999, &[]), Err(Error::NotFound(_))));
+    }
+
+    #[test]
+    fn feedback_sets_outcome_and_gc_keeps_text() {
+        let mut s = Store::in_memory().unwrap();
+        let sid = s.create_session(&NewSession::new(Source::Chat)).unwrap();
+        let ids = s.append_turns(sid, &[assistant(vec![5], 0)]).unwrap();
+        s.add_feedback(sid, None, "outcome", Some(1.0), None).unwrap();
+        s.add_feedback(sid, Some(0), "thumb", Some(-1.0), Some("rude")).unwrap();
+        assert_eq!(s.session(sid).unwrap().outcome_reward, Some(1.0));
+        assert_eq!(s.feedback(sid).unwrap().len(), 2);
+        // not learned yet: gc with only_learned keeps it
+        assert_eq!(s.gc_features(0.0, true).unwrap(), 0);
+        s.mark_learned(&[sid]).unwrap();
+        assert_eq!(s.gc_features(0.0, true).unwrap(), 1);
+        assert!(s.features(ids[0]).unwrap().is_none());
+        assert!(s.token_logprobs(ids[0]).unwrap().is_some());
+        assert_eq!(s.turns(sid).unwrap()[0].text, "ok");
+    }
+
+    #[test]
+    fn duplicate_content_hash_is_refused() {
+        let s = Store::in_memory().unwrap();
+        let mut n = NewSession::new(Source::Import);
+        n.content_hash = Some("abc".into());
+        s.create_session(&n).unwrap();
+        assert!(s.create_session(&n).is_err());
+        assert!(s.session_by_hash("abc").unwrap().is_some());
+    }
+}
