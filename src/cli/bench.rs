@@ -72,17 +72,37 @@ pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         .with_n_threads_batch(cfg.n_threads);
     let mut ctx = model.new_context(&backend, cparams)?;
 
-    let (mut e_pre, mut e_dec, mut n_pre, mut n_dec, mut p_pre, mut p_dec) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut e_pre, mut e_dec, mut n_pre, mut n_dec, mut p_pre, mut p_dec) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
     for rep in 0..args.reps {
         // a distinct system line per repetition defeats the engine's prefix cache
         let msgs = vec![
-            Message::new(Role::System, format!("Session {rep}. You are a support agent.")),
+            Message::new(
+                Role::System,
+                format!("Session {rep}. You are a support agent."),
+            ),
             Message::new(Role::User, user.clone()),
         ];
         let key = 1_000_000 + rep as u64;
-        for (eng, pre, dec) in [(&engine, &mut e_pre, &mut e_dec), (&engine_nocap, &mut n_pre, &mut n_dec)] {
-            let g = eng.generate(key, msgs.clone(), SamplerParams { seed: rep as u64, ..params.clone() }, None)?;
+        for (eng, pre, dec) in [
+            (&engine, &mut e_pre, &mut e_dec),
+            (&engine_nocap, &mut n_pre, &mut n_dec),
+        ] {
+            let g = eng.generate(
+                key,
+                msgs.clone(),
+                SamplerParams {
+                    seed: rep as u64,
+                    ..params.clone()
+                },
+                None,
+            )?;
             pre.push(g.reply.prefill_tokens as f64 / (g.reply.prefill_ms / 1e3));
             // the first token comes from the prefill; the rest are decode steps
             dec.push((g.reply.tokens.len() - 1) as f64 / (g.reply.decode_ms / 1e3));
@@ -90,7 +110,15 @@ pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         }
         let tokens = engine_nocap.session_tokens(key).unwrap_or_default();
         let prompt: Vec<i32> = if tokens.is_empty() {
-            let g = engine.generate(key, msgs.clone(), SamplerParams { max_tokens: 1, ..params.clone() }, None)?;
+            let g = engine.generate(
+                key,
+                msgs.clone(),
+                SamplerParams {
+                    max_tokens: 1,
+                    ..params.clone()
+                },
+                None,
+            )?;
             let t = engine.session_tokens(key)?;
             engine.close(key);
             t[..g.reply.context_len].to_vec()
@@ -136,13 +164,41 @@ pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     }
     drop(engine);
     drop(engine_nocap);
-    let (ep, ed, np, nd, pp, pd) = (median(e_pre), median(e_dec), median(n_pre), median(n_dec), median(p_pre), median(p_dec));
-    println!("model {} · {} threads · prompt ~{} tokens · {} decode tokens · median of {} reps", cfg.model.display(), cfg.n_threads, args.prompt_tokens, args.decode_tokens, args.reps);
+    let (ep, ed, np, nd, pp, pd) = (
+        median(e_pre),
+        median(e_dec),
+        median(n_pre),
+        median(n_dec),
+        median(p_pre),
+        median(p_dec),
+    );
+    println!(
+        "model {} · {} threads · prompt ~{} tokens · {} decode tokens · median of {} reps",
+        cfg.model.display(),
+        cfg.n_threads,
+        args.prompt_tokens,
+        args.decode_tokens,
+        args.reps
+    );
     println!("{:<44} {:>12} {:>12}", "", "prefill t/s", "decode t/s");
-    println!("{:<44} {:>12.1} {:>12.1}", "llama.cpp via llama-cpp-2 (nothing extra)", pp, pd);
-    println!("{:<44} {:>12.1} {:>12.1}", "turnwise engine, hidden capture + logging", ep, ed);
-    println!("{:<44} {:>12.1} {:>12.1}", "turnwise engine, no hidden capture", np, nd);
-    println!("{:<44} {:>12.3} {:>12.3}", "ratio turnwise (capture) / plain", ep / pp, ed / pd);
+    println!(
+        "{:<44} {:>12.1} {:>12.1}",
+        "llama.cpp via llama-cpp-2 (nothing extra)", pp, pd
+    );
+    println!(
+        "{:<44} {:>12.1} {:>12.1}",
+        "turnwise engine, hidden capture + logging", ep, ed
+    );
+    println!(
+        "{:<44} {:>12.1} {:>12.1}",
+        "turnwise engine, no hidden capture", np, nd
+    );
+    println!(
+        "{:<44} {:>12.3} {:>12.3}",
+        "ratio turnwise (capture) / plain",
+        ep / pp,
+        ed / pd
+    );
     drop(backend);
     Ok(ExitCode::SUCCESS)
 }

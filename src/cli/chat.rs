@@ -18,7 +18,10 @@ pub struct ChatArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// System prompt of each new session
-    #[arg(long, default_value = "You are a helpful customer-service assistant. Answer briefly.")]
+    #[arg(
+        long,
+        default_value = "You are a helpful customer-service assistant. Answer briefly."
+    )]
     system: String,
     /// Seed of the first reply (reply k of a session uses seed + k)
     #[arg(long, default_value_t = 0)]
@@ -95,7 +98,7 @@ impl Chat<'_> {
             .join()
             .map_err(|_| anyhow::anyhow!("engine call panicked"))??;
         let info = self.engine.info();
-        let turns = turns_from_generation(&gen, &params, &info.template, None, info.n_embd);
+        let turns = turns_from_generation(&gen, &params, info, None);
         // the turn is durable before we acknowledge it with the newline
         let ids = self.store.append_turns(id, &turns)?;
         self.replies += 1;
@@ -116,7 +119,11 @@ pub fn run(args: ChatArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode>
     let engine = args.model.start(verbose)?;
     let tty = std::io::stdin().is_terminal();
     if tty {
-        eprintln!("turnwise chat — {} — log: {}\n{HELP}", engine.info().name, db.display());
+        eprintln!(
+            "turnwise chat — {} — log: {}\n{HELP}",
+            engine.info().name,
+            db.display()
+        );
     }
     let mut chat = Chat {
         engine,
@@ -148,16 +155,17 @@ pub fn run(args: ChatArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode>
         if line.is_empty() {
             continue;
         }
-        let feedback = |chat: &mut Chat, kind: &str, value: f64, turn: Option<i64>| -> anyhow::Result<()> {
-            match chat.session {
-                Some(id) => {
-                    chat.store.add_feedback(id, turn, kind, Some(value), None)?;
-                    eprintln!("(recorded {kind} {value} on session {id})");
+        let feedback =
+            |chat: &mut Chat, kind: &str, value: f64, turn: Option<i64>| -> anyhow::Result<()> {
+                match chat.session {
+                    Some(id) => {
+                        chat.store.add_feedback(id, turn, kind, Some(value), None)?;
+                        eprintln!("(recorded {kind} {value} on session {id})");
+                    }
+                    None => eprintln!("(no session yet: say something first)"),
                 }
-                None => eprintln!("(no session yet: say something first)"),
-            }
-            Ok(())
-        };
+                Ok(())
+            };
         match line {
             "/quit" | "/exit" => break,
             "/help" => eprintln!("{HELP}"),
@@ -167,10 +175,20 @@ pub fn run(args: ChatArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode>
             }
             "/good" | "/bad" => {
                 let turn = chat.last_assistant_idx;
-                feedback(&mut chat, "thumb", if line == "/good" { 1.0 } else { -1.0 }, turn)?;
+                feedback(
+                    &mut chat,
+                    "thumb",
+                    if line == "/good" { 1.0 } else { -1.0 },
+                    turn,
+                )?;
             }
             "/resolved" | "/unresolved" => {
-                feedback(&mut chat, "outcome", if line == "/resolved" { 1.0 } else { 0.0 }, None)?;
+                feedback(
+                    &mut chat,
+                    "outcome",
+                    if line == "/resolved" { 1.0 } else { 0.0 },
+                    None,
+                )?;
                 chat.end()?;
             }
             l if l.starts_with('/') => eprintln!("unknown command {l}; {HELP}"),
@@ -178,7 +196,10 @@ pub fn run(args: ChatArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode>
                 if let Err(e) = chat.say(text, &mut out) {
                     writeln!(out)?;
                     eprintln!("error: {e:#}");
-                    if chat.session.is_some_and(|_| e.to_string().contains("context budget")) {
+                    if chat
+                        .session
+                        .is_some_and(|_| e.to_string().contains("context budget"))
+                    {
                         eprintln!("(type /new to start a fresh session)");
                     }
                 }

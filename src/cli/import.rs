@@ -42,7 +42,8 @@ pub fn run(args: ImportArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCod
     let (reader, len): (Box<dyn std::io::BufRead>, u64) = if args.file.as_os_str() == "-" {
         (Box::new(std::io::stdin().lock()), 0)
     } else {
-        let f = File::open(&args.file).with_context(|| format!("opening {}", args.file.display()))?;
+        let f =
+            File::open(&args.file).with_context(|| format!("opening {}", args.file.display()))?;
         let len = f.metadata().map(|m| m.len()).unwrap_or(0);
         (Box::new(BufReader::new(f)), len)
     };

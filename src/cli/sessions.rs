@@ -51,32 +51,60 @@ pub fn run(args: SessionsArgs, db: &Path) -> anyhow::Result<ExitCode> {
                     &s.created_at[..19.min(s.created_at.len())],
                     s.source,
                     turns.len(),
-                    s.outcome_reward.map(|o| format!("{o:.2}")).unwrap_or_else(|| "-".into()),
+                    s.outcome_reward
+                        .map(|o| format!("{o:.2}"))
+                        .unwrap_or_else(|| "-".into()),
                     first.replace('\n', " ")
                 );
             }
         }
         SessionsCmd::Show { id } => {
             let s = store.session(id)?;
-            println!("session {id} · {} · group {} · outcome {:?}", s.source, s.group_key.as_deref().unwrap_or("-"), s.outcome_reward);
+            println!(
+                "session {id} · {} · group {} · outcome {:?}",
+                s.source,
+                s.group_key.as_deref().unwrap_or("-"),
+                s.outcome_reward
+            );
             for t in store.turns(id)? {
                 let lp = store.token_logprobs(t.id)?;
                 let extra = lp
                     .map(|l| {
-                        let mean = l.logp_behavior.iter().map(|&x| x as f64).sum::<f64>() / l.logp_behavior.len().max(1) as f64;
-                        format!("  [{} tokens, mean logp {mean:.3}, {}]", t.token_ids.len(), t.behavior.map(|b| format!("{b:?}").to_lowercase()).unwrap_or_default())
+                        let mean = l.logp_behavior.iter().map(|&x| x as f64).sum::<f64>()
+                            / l.logp_behavior.len().max(1) as f64;
+                        format!(
+                            "  [{} tokens, mean logp {mean:.3}, {}]",
+                            t.token_ids.len(),
+                            t.behavior
+                                .map(|b| format!("{b:?}").to_lowercase())
+                                .unwrap_or_default()
+                        )
                     })
                     .unwrap_or_default();
-                println!("#{} {:<9} {}{extra}", t.idx, t.role.as_str(), t.text.replace('\n', "\n            "));
+                println!(
+                    "#{} {:<9} {}{extra}",
+                    t.idx,
+                    t.role.as_str(),
+                    t.text.replace('\n', "\n            ")
+                );
             }
             for f in store.feedback(id)? {
-                println!("feedback: {} {:?} turn {:?} {}", f.kind, f.value, f.turn_idx, f.note.unwrap_or_default());
+                println!(
+                    "feedback: {} {:?} turn {:?} {}",
+                    f.kind,
+                    f.value,
+                    f.turn_idx,
+                    f.note.unwrap_or_default()
+                );
             }
         }
         SessionsCmd::Stats => {
             let st = store.storage_stats()?;
             println!("{}", serde_json::to_string_pretty(&st)?);
-            println!("bytes per sampled token with features: {:.0}", st.bytes_per_featured_token());
+            println!(
+                "bytes per sampled token with features: {:.0}",
+                st.bytes_per_featured_token()
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

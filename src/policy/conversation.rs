@@ -139,9 +139,15 @@ impl Conversation {
         msgs.push(message.clone());
         let full = render(template, &msgs, add_generation_prompt)?;
         let (tokens, retokenized) = if self.tokens.is_empty() {
-            (tokenize_delta(model, &full, &message.content, model.add_bos())?, false)
+            (
+                tokenize_delta(model, &full, &message.content, model.add_bos())?,
+                false,
+            )
         } else if let Some(delta) = full.strip_prefix(self.rendered.as_str()) {
-            (tokenize_delta(model, delta, &message.content, false)?, false)
+            (
+                tokenize_delta(model, delta, &message.content, false)?,
+                false,
+            )
         } else {
             let all = model.tokenize(&full, model.add_bos(), true)?;
             let keep = common_prefix(&self.tokens, &all);
@@ -168,18 +174,20 @@ impl Conversation {
     }
 
     /// Appends an assistant message that was not generated here (imports): its content
-    /// tokenised as plain text followed by the end-of-turn token, exactly what the model would
-    /// have had to sample.
+    /// tokenised as plain text followed by `turn_end`, the end-of-turn token the template closes
+    /// assistant messages with — exactly what the model would have had to sample.
     ///
     /// # Errors
-    /// Tokenizer errors, or a model without an end-of-turn token.
-    pub fn push_forced_reply(&mut self, model: &Model, content: &str) -> Result<PromptTurn> {
-        let eot = model
-            .eot()
-            .ok_or_else(|| Error::Template("the model has no end-of-turn token".into()))?;
+    /// Tokenizer errors.
+    pub fn push_forced_reply(
+        &mut self,
+        model: &Model,
+        content: &str,
+        turn_end: Token,
+    ) -> Result<PromptTurn> {
         let mut tokens = model.tokenize(content, false, false)?;
-        tokens.push(eot);
-        let piece = String::from_utf8_lossy(&model.piece(eot, true)).into_owned();
+        tokens.push(turn_end);
+        let piece = String::from_utf8_lossy(&model.piece(turn_end, true)).into_owned();
         self.push_reply(content.to_string(), &tokens, &format!("{content}{piece}"));
         Ok(PromptTurn {
             message: Message::new(Role::Assistant, content),
@@ -187,6 +195,30 @@ impl Conversation {
             retokenized: false,
         })
     }
+}
+
+/// The end-of-generation token a template closes assistant messages with (`<|im_end|>` for
+/// chatml), found by rendering a probe message; falls back to the model's EOT/EOS token.
+///
+/// # Errors
+/// Template errors, or a model without any end-of-turn token.
+pub fn turn_end_token(model: &Model, template: &str) -> Result<Token> {
+    const PROBE: &str = "TURNWISEPROBE";
+    let msgs = [
+        Message::new(Role::User, "x"),
+        Message::new(Role::Assistant, PROBE),
+    ];
+    let text = render(template, &msgs, false)?;
+    let from_template = text
+        .rfind(PROBE)
+        .map(|at| &text[at + PROBE.len()..])
+        .map(|after| model.tokenize(after, false, true))
+        .transpose()?
+        .and_then(|t| t.first().copied())
+        .filter(|&t| model.is_eog(t));
+    from_template
+        .or_else(|| model.eot())
+        .ok_or_else(|| Error::Template("the model has no end-of-turn token".into()))
 }
 
 /// Turns a stream of token bytes into text without splitting a UTF-8 character across pieces.
@@ -210,8 +242,8 @@ impl Utf8Stream {
             Err(e) => e.valid_up_to(),
         };
         let rest = self.pending.split_off(valid);
-        let out = String::from_utf8(std::mem::replace(&mut self.pending, rest)).unwrap_or_default();
-        out
+
+        String::from_utf8(std::mem::replace(&mut self.pending, rest)).unwrap_or_default()
     }
 
     /// Whatever is left (an incomplete character is replaced by U+FFFD).

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc::UnboundedSender, oneshot};
 
 use super::conversation::{Conversation, Message, PromptTurn, Role, Utf8Stream};
+use super::head::{output_types, FeatureDtype};
 use super::llama::{self, Context, ContextParams, Model, Token};
 use super::sampler::{self, Rng, SamplerParams};
 use crate::error::{Error, Result};
@@ -70,6 +71,8 @@ pub struct ModelInfo {
     pub n_threads: i32,
     /// the chat template in use (name or text)
     pub template: String,
+    /// how hidden states are stored (see [`FeatureDtype`])
+    pub feature_dtype: FeatureDtype,
 }
 
 /// Why a reply ended.
@@ -317,6 +320,10 @@ struct Worker {
     info: ModelInfo,
     n_embd: usize,
     sessions: HashMap<u64, Conversation>,
+    /// the token that closes an assistant message in the template
+    turn_end: Token,
+    /// ggml type hidden states are rounded through (the output matmul's activation type)
+    act_type: u32,
     /// end-of-generation tokens (masked when `ignore_eog`)
     eog: Vec<Token>,
     /// tokens currently in the KV cache
@@ -347,18 +354,27 @@ impl Worker {
         };
         // fail now, not on the first message, if llama.cpp cannot render this template
         super::conversation::render(&template, &[Message::new(Role::User, "hi")], true)?;
+        let (_, act_type) = output_types(&cfg.model)?;
+        let turn_end = super::conversation::turn_end_token(&model, &template)?;
         let info = ModelInfo {
             path: cfg.model.clone(),
-            name: model.meta("general.name").unwrap_or_else(|| "unknown".into()),
+            name: model
+                .meta("general.name")
+                .unwrap_or_else(|| "unknown".into()),
             n_vocab: model.n_vocab(),
             n_embd: model.n_embd(),
             n_ctx: ctx.n_ctx(),
             n_threads: cfg.n_threads,
             template,
+            feature_dtype: FeatureDtype::for_activation(act_type),
         };
         tracing::info!(model = %info.name, n_ctx = info.n_ctx, "policy engine ready");
-        let eog = (0..model.n_vocab() as Token).filter(|&t| model.is_eog(t)).collect();
+        let eog = (0..model.n_vocab() as Token)
+            .filter(|&t| model.is_eog(t))
+            .collect();
         Ok(Worker {
+            turn_end,
+            act_type,
             eog,
             n_embd: model.n_embd(),
             ctx,
@@ -427,11 +443,23 @@ impl Worker {
         let before = conv.tokens.len();
         let n = messages.len();
         let mut turns = Vec::with_capacity(n);
+        let roles: Vec<Role> = messages.iter().map(|m| m.role).collect();
         for (i, m) in messages.into_iter().enumerate() {
-            let t = if m.role == Role::Assistant && !generation_prompt {
-                conv.push_forced_reply(&self.model, &m.content)?
+            let forced = m.role == Role::Assistant && !generation_prompt;
+            if forced && conv.tokens.is_empty() {
+                return Err(Error::Invalid(
+                    "a conversation cannot open with an assistant message (nothing prompted it)"
+                        .into(),
+                ));
+            }
+            // the message before a forced assistant reply ends with the reply's opening markers,
+            // exactly as it would have before a generation
+            let next_is_forced = !generation_prompt && roles.get(i + 1) == Some(&Role::Assistant);
+            let t = if forced {
+                conv.push_forced_reply(&self.model, &m.content, self.turn_end)?
             } else {
-                conv.append(&self.model, &self.info.template, m, generation_prompt && i + 1 == n)?
+                let open = next_is_forced || (generation_prompt && i + 1 == n);
+                conv.append(&self.model, &self.info.template, m, open)?
             };
             turns.push(t);
         }
@@ -485,7 +513,12 @@ impl Worker {
         match self.ctx.decode(tokens, start, outputs) {
             Ok(h) => {
                 self.cached.extend_from_slice(tokens);
-                Ok(h)
+                // store exactly what the output matmul multiplied with
+                let mut out = Vec::with_capacity(h.len());
+                for row in h.chunks_exact(self.n_embd) {
+                    out.extend(llama::round_through(self.act_type, row)?);
+                }
+                Ok(out)
             }
             Err(e) => {
                 // the cache state is unknown after a failed decode: start over next time
@@ -628,24 +661,21 @@ impl Worker {
         while pos < tokens.len() {
             let end = (pos + nb).min(tokens.len());
             let outputs = &want[pos..end];
-            if !outputs.iter().any(|&o| o) {
-                self.decode(&tokens[pos..end], pos, outputs)?;
-                pos = end;
-                continue;
-            }
             let h = self.decode(&tokens[pos..end], pos, outputs)?;
-            let mut k = 0;
-            for (i, _) in outputs.iter().enumerate().filter(|(_, &o)| o) {
+            let rows = outputs
+                .iter()
+                .enumerate()
+                .filter(|(_, &o)| o)
+                .map(|(i, _)| i);
+            for (k, i) in rows.enumerate() {
                 let row = pos + i;
                 let logits = self.ctx.logits(i);
                 let lp = logits[tokens[row + 1] as usize] as f64 - sampler::logsumexp(logits);
-                let hs = if h.is_empty() {
-                    Vec::new()
-                } else {
-                    h[k * self.n_embd..(k + 1) * self.n_embd].to_vec()
-                };
+                let hs = h
+                    .get(k * self.n_embd..(k + 1) * self.n_embd)
+                    .unwrap_or(&[])
+                    .to_vec();
                 by_row.insert(row, (lp as f32, hs));
-                k += 1;
             }
             pos = end;
         }

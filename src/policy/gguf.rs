@@ -100,7 +100,9 @@ impl<R: Read> Reader<R> {
             .read_exact(&mut b[..fixed])
             .map_err(|_| self.bad("truncated GGUF header"))?;
         if ty == 4 {
-            return Ok(Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]).to_string()));
+            return Ok(Some(
+                u32::from_le_bytes([b[0], b[1], b[2], b[3]]).to_string(),
+            ));
         }
         Ok(None)
     }
@@ -166,10 +168,7 @@ impl GgufIndex {
                 offset,
             });
         }
-        let pos = rd
-            .r
-            .stream_position()
-            .map_err(|e| Error::io(path, e))?;
+        let pos = rd.r.stream_position().map_err(|e| Error::io(path, e))?;
         let data_start = pos.div_ceil(alignment) * alignment;
         if tensors.is_empty() {
             return Err(rd.bad("GGUF file holds no tensors (a vocabulary-only file?)"));
@@ -219,7 +218,9 @@ mod tests {
         std::fs::write(&p, b"GGUF\x03\x00\x00\x00\x01").unwrap();
         let e = GgufIndex::open(&p).unwrap_err().to_string();
         assert!(e.contains("truncated"), "{e}");
-        let e = GgufIndex::open(&dir.path().join("missing.gguf")).unwrap_err().to_string();
+        let e = GgufIndex::open(&dir.path().join("missing.gguf"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("bad model file"), "{e}");
     }
 
@@ -258,6 +259,9 @@ mod tests {
         let t = idx.tensor("w").unwrap();
         assert_eq!(t.dims, vec![4, 2]);
         let raw = idx.read_tensor_bytes(t, 32).unwrap();
-        assert_eq!(f32::from_le_bytes([raw[28], raw[29], raw[30], raw[31]]), 7.0);
+        assert_eq!(
+            f32::from_le_bytes([raw[28], raw[29], raw[30], raw[31]]),
+            7.0
+        );
     }
 }

@@ -15,6 +15,66 @@ use super::gguf::GgufIndex;
 use super::llama;
 use crate::error::{Error, Result};
 
+/// How stored hidden states are encoded. The engine rounds each captured `h` through the
+/// activation type of the output matmul (what llama.cpp multiplies with), so the stored feature is
+/// exactly the vector the logits came from; Q8_0 (also used for Q8_1 activations, whose values are
+/// `d · q` as well) stores that losslessly in 34 bytes per 32 values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FeatureDtype {
+    /// Q8_0 blocks (f16 scale + 32 × i8)
+    Q8_0,
+    /// IEEE half
+    F16,
+    /// IEEE single
+    F32,
+}
+
+impl FeatureDtype {
+    /// The encoding for activations of ggml type `act_type`.
+    pub fn for_activation(act_type: u32) -> Self {
+        match act_type {
+            llama_cpp_sys_2::GGML_TYPE_Q8_0 | llama_cpp_sys_2::GGML_TYPE_Q8_1 => FeatureDtype::Q8_0,
+            llama_cpp_sys_2::GGML_TYPE_F16 => FeatureDtype::F16,
+            _ => FeatureDtype::F32,
+        }
+    }
+    /// Name stored in `features.dtype`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FeatureDtype::Q8_0 => "q8_0",
+            FeatureDtype::F16 => "f16",
+            FeatureDtype::F32 => "f32",
+        }
+    }
+    /// Parses a stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "q8_0" => Some(FeatureDtype::Q8_0),
+            "f16" => Some(FeatureDtype::F16),
+            "f32" => Some(FeatureDtype::F32),
+            _ => None,
+        }
+    }
+}
+
+/// The ggml type of a GGUF model's output projection and the activation type the CPU backend
+/// converts hidden states to before multiplying with it.
+///
+/// # Errors
+/// [`Error::BadModel`] when the model has no output projection.
+pub fn output_types(path: &Path) -> Result<(u32, u32)> {
+    let idx = GgufIndex::open(path)?;
+    let t = idx
+        .tensor("output.weight")
+        .or_else(|| idx.tensor("token_embd.weight"))
+        .ok_or_else(|| Error::BadModel {
+            path: path.into(),
+            reason: "no output.weight or token_embd.weight tensor".into(),
+        })?;
+    Ok((t.ggml_type, llama::vec_dot_type(t.ggml_type)))
+}
+
 /// The dequantised output projection `W` (`[n_vocab, n_embd]`) and the activation type.
 pub struct OutputHead {
     w: Array2<f32>,

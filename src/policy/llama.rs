@@ -48,10 +48,11 @@ impl Model {
     /// # Errors
     /// [`Error::BadModel`] when llama.cpp cannot load the file.
     pub fn load(path: &Path, n_gpu_layers: i32) -> Result<Self> {
-        let cpath = CString::new(path.to_string_lossy().as_bytes()).map_err(|_| Error::BadModel {
-            path: path.into(),
-            reason: "path contains a NUL byte".into(),
-        })?;
+        let cpath =
+            CString::new(path.to_string_lossy().as_bytes()).map_err(|_| Error::BadModel {
+                path: path.into(),
+                reason: "path contains a NUL byte".into(),
+            })?;
         // SAFETY: default params are plain data; the path is a valid C string for the call.
         let ptr = unsafe {
             let mut params = sys::llama_model_default_params();
@@ -152,7 +153,12 @@ impl Model {
     ///
     /// # Errors
     /// [`Error::Llama`] when llama.cpp reports a failure.
-    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+    pub fn tokenize(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<Token>> {
         let len = i32::try_from(text.len()).map_err(|_| Error::Invalid("text too long".into()))?;
         let mut out = vec![0 as Token; text.len() + 8];
         for _ in 0..2 {
@@ -360,8 +366,9 @@ impl Context {
             }
             sys::llama_init_from_model(model.ptr.as_ptr(), cp)
         };
-        let ptr = NonNull::new(ptr)
-            .ok_or_else(|| Error::Llama(format!("could not create a context of {} tokens", p.n_ctx)))?;
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            Error::Llama(format!("could not create a context of {} tokens", p.n_ctx))
+        })?;
         // SAFETY: ptr is live.
         let n_ctx = unsafe { sys::llama_n_ctx(ptr.as_ptr()) as usize };
         // SAFETY: allocates a token batch of n_batch rows for one sequence.
@@ -477,7 +484,7 @@ pub fn dequantize(ty: u32, src: &[u8], n: usize) -> Result<Vec<f32>> {
         }
         let tr = &*tr;
         let need = n / tr.blck_size as usize * tr.type_size;
-        if n % tr.blck_size as usize != 0 || src.len() < need {
+        if !n.is_multiple_of(tr.blck_size as usize) || src.len() < need {
             return Err(Error::Invalid(format!(
                 "{} bytes cannot hold {n} values of ggml type {ty}",
                 src.len()
@@ -520,8 +527,10 @@ pub fn row_size(ty: u32, n: usize) -> Result<usize> {
     // SAFETY: non-null static table.
     let tr = unsafe { &*tr };
     let blck = tr.blck_size.max(1) as usize;
-    if tr.type_size == 0 || n % blck != 0 {
-        return Err(Error::Invalid(format!("{n} values do not fill blocks of ggml type {ty}")));
+    if tr.type_size == 0 || !n.is_multiple_of(blck) {
+        return Err(Error::Invalid(format!(
+            "{n} values do not fill blocks of ggml type {ty}"
+        )));
     }
     Ok(n / blck * tr.type_size)
 }
@@ -554,14 +563,25 @@ pub fn round_through(ty: u32, row: &[f32]) -> Result<Vec<f32>> {
         let tr = &*sys::ggml_get_type_traits(ty as sys::ggml_type);
         let cpu = sys::ggml_get_type_traits_cpu(ty as sys::ggml_type);
         let blck = tr.blck_size as usize;
-        if row.len() % blck != 0 {
-            return Err(Error::Invalid(format!("row of {} is not a multiple of {blck}", row.len())));
+        if !row.len().is_multiple_of(blck) {
+            return Err(Error::Invalid(format!(
+                "row of {} is not a multiple of {blck}",
+                row.len()
+            )));
         }
-        let from = if cpu.is_null() { None } else { (*cpu).from_float }
-            .or(tr.from_float_ref)
-            .ok_or_else(|| Error::Invalid(format!("ggml type {ty} has no from_float")))?;
+        let from = if cpu.is_null() {
+            None
+        } else {
+            (*cpu).from_float
+        }
+        .or(tr.from_float_ref)
+        .ok_or_else(|| Error::Invalid(format!("ggml type {ty} has no from_float")))?;
         let mut q = vec![0u8; row.len() / blck * tr.type_size];
-        from(row.as_ptr(), q.as_mut_ptr() as *mut c_void, row.len() as i64);
+        from(
+            row.as_ptr(),
+            q.as_mut_ptr() as *mut c_void,
+            row.len() as i64,
+        );
         dequantize(ty, &q, row.len())
     }
 }

@@ -16,5 +16,5 @@ pub mod sampler;
 
 pub use conversation::{Conversation, Message, PromptTurn, Role};
 pub use engine::{Engine, EngineConfig, Generation, ModelInfo, Reply, Rescored, StopReason};
-pub use head::OutputHead;
+pub use head::{FeatureDtype, OutputHead};
 pub use sampler::SamplerParams;

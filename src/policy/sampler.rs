@@ -77,28 +77,65 @@ pub struct Sampled {
     pub logp_full: f32,
 }
 
-/// `log Σ exp(x)`, computed in f64.
+/// `e^x` for `x <= 0` in f32, branch-free so the compiler vectorises loops over it: split
+/// `x = n·ln2 + r` with |r| <= ln2/2, a degree-6 Taylor polynomial for `e^r` (relative error
+/// below 3e-7 on the whole range, tested), and `2^n` built in the exponent bits.
+#[inline]
+fn exp_nonpositive(x: f32) -> f32 {
+    let x = x.max(-87.0);
+    // round to nearest by the 1.5·2^23 trick (no libm call, so the loop vectorises)
+    const MAGIC: f32 = 12_582_912.0;
+    let n = (x * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
+    let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// `log Σ exp(x)`: f32 partial sums over blocks of 256 (eight lanes of 32 terms), added in f64.
 pub fn logsumexp(x: &[f32]) -> f64 {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if !m.is_finite() {
-        return m;
+        return m as f64;
     }
-    m + x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln()
+    let mut total = 0f64;
+    for block in x.chunks(256) {
+        let mut lanes = [0f32; 8];
+        let chunks = block.chunks_exact(8);
+        let tail: f32 = chunks
+            .remainder()
+            .iter()
+            .map(|&v| exp_nonpositive(v - m))
+            .sum();
+        for c in chunks {
+            for (l, &v) in lanes.iter_mut().zip(c) {
+                *l += exp_nonpositive(v - m);
+            }
+        }
+        total += lanes.iter().map(|&l| f64::from(l)).sum::<f64>() + f64::from(tail);
+    }
+    m as f64 + total.ln()
 }
 
 /// The distribution the sampler draws from: candidates in descending logit order with their
 /// renormalised probabilities. Greedy (`temperature <= 0`) is the single arg-max.
 pub fn distribution(logits: &[f32], p: &SamplerParams) -> Vec<(i32, f64)> {
     let desc = |a: &(i32, f32), b: &(i32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    let mut cand: Vec<(i32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as i32, l)).collect();
     if p.temperature <= 0.0 {
-        let best = cand.iter().copied().min_by(desc).unwrap_or((0, 0.0));
+        let best = top_k(logits, 1).first().copied().unwrap_or((0, 0.0));
         return vec![(best.0, 1.0)];
     }
-    if p.top_k > 0 && p.top_k < cand.len() {
-        cand.select_nth_unstable_by(p.top_k - 1, desc);
-        cand.truncate(p.top_k);
-    }
+    let mut cand = if p.top_k > 0 && p.top_k < logits.len() {
+        top_k(logits, p.top_k)
+    } else {
+        logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as i32, l))
+            .collect()
+    };
     cand.sort_unstable_by(desc);
     let t = p.temperature as f64;
     let m = cand[0].1 as f64 / t;
@@ -122,6 +159,31 @@ pub fn distribution(logits: &[f32], p: &SamplerParams) -> Vec<(i32, f64)> {
         .zip(&probs[..keep])
         .map(|(c, q)| (c.0, q / z))
         .collect()
+}
+
+/// The `k` largest logits (ties broken by the lower token id), in no particular order, in one
+/// pass: a candidate replaces the current minimum of the kept set only when it beats it.
+fn top_k(logits: &[f32], k: usize) -> Vec<(i32, f32)> {
+    let better = |a: (i32, f32), b: (i32, f32)| a.1 > b.1 || (a.1 == b.1 && a.0 < b.0);
+    let mut kept: Vec<(i32, f32)> = logits
+        .iter()
+        .take(k)
+        .enumerate()
+        .map(|(i, &l)| (i as i32, l))
+        .collect();
+    let argmin = |v: &[(i32, f32)]| {
+        (0..v.len())
+            .reduce(|m, i| if better(v[m], v[i]) { i } else { m })
+            .unwrap_or(0)
+    };
+    let mut worst = argmin(&kept);
+    for (i, &l) in logits.iter().enumerate().skip(k) {
+        if l > kept[worst].1 {
+            kept[worst] = (i as i32, l);
+            worst = argmin(&kept);
+        }
+    }
+    kept
 }
 
 /// Draws one token from `logits` with settings `p`.
@@ -206,7 +268,9 @@ mod tests {
         let p = params(1.0, 1.0, 0);
         let draws = |seed| {
             let mut r = Rng::new(seed);
-            (0..20).map(|_| sample(&l, &p, &mut r).token).collect::<Vec<_>>()
+            (0..20)
+                .map(|_| sample(&l, &p, &mut r).token)
+                .collect::<Vec<_>>()
         };
         assert_eq!(draws(3), draws(3));
         assert_ne!(draws(3), draws(4));
@@ -215,6 +279,35 @@ mod tests {
         let hits = (0..n).filter(|_| sample(&l, &p, &mut r).token == 2).count();
         let want = 2f64.exp() / (1.0 + 1f64.exp() + 2f64.exp());
         assert!(((hits as f64 / n as f64) - want).abs() < 0.015);
+    }
+
+    #[test]
+    fn top_k_keeps_the_largest_and_the_lowest_id_on_ties() {
+        let l = [0.5f32, 3.0, -1.0, 3.0, 2.0, 0.5];
+        let mut k = top_k(&l, 3);
+        k.sort_by_key(|c| c.0);
+        assert_eq!(k, vec![(1, 3.0), (3, 3.0), (4, 2.0)]);
+        let d = distribution(&l, &params(1.0, 1.0, 5));
+        assert_eq!(
+            d.iter().map(|c| c.0).collect::<Vec<_>>(),
+            vec![1, 3, 4, 0, 5]
+        );
+        assert_eq!(distribution(&l, &params(0.0, 1.0, 0))[0].0, 1);
+    }
+
+    #[test]
+    fn fast_exp_is_accurate() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let want = (x as f64).exp();
+            let got = exp_nonpositive(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.001_3;
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert!(exp_nonpositive(-1000.0) < 1e-37);
     }
 
     #[test]

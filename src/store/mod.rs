@@ -12,14 +12,20 @@ use std::path::Path;
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
 
-pub use blob::{f16_blob, f32_blob, from_f16_blob, from_f32_blob, from_i32_blob, i32_blob};
+pub use blob::{
+    f16_blob, f32_blob, from_f16_blob, from_f32_blob, from_i32_blob, from_q8_0_blob, i32_blob,
+    q8_0_blob,
+};
 
 use crate::error::{Error, Result};
-use crate::policy::{Role, SamplerParams};
+use crate::policy::{FeatureDtype, Role, SamplerParams};
 
 /// The migrations, in order. Each is applied once, in its own transaction.
 pub const MIGRATIONS: &[(&str, &str)] = &[
-    ("0001_init.sql", include_str!("../../migrations/0001_init.sql")),
+    (
+        "0001_init.sql",
+        include_str!("../../migrations/0001_init.sql"),
+    ),
     (
         "0002_updates_metrics.sql",
         include_str!("../../migrations/0002_updates_metrics.sql"),
@@ -115,6 +121,49 @@ pub struct TokenLogprobs {
     pub logp_full: Vec<f32>,
 }
 
+/// Hidden states of an assistant turn's sampling positions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Features {
+    /// width of one state
+    pub n_embd: usize,
+    /// storage encoding
+    pub dtype: FeatureDtype,
+    /// `n_tokens × n_embd` values, row-major
+    pub values: Vec<f32>,
+}
+
+impl Features {
+    /// The stored bytes.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the values do not fit the encoding's blocks.
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        match self.dtype {
+            FeatureDtype::Q8_0 => q8_0_blob(&self.values),
+            FeatureDtype::F16 => Ok(f16_blob(&self.values)),
+            FeatureDtype::F32 => Ok(f32_blob(&self.values)),
+        }
+    }
+    /// Decodes stored bytes.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] for an unknown dtype or a bad length.
+    pub fn decode(n_embd: usize, dtype: &str, b: &[u8]) -> Result<Self> {
+        let dtype = FeatureDtype::parse(dtype)
+            .ok_or_else(|| Error::Corrupt(format!("feature dtype {dtype}")))?;
+        let values = match dtype {
+            FeatureDtype::Q8_0 => from_q8_0_blob(b)?,
+            FeatureDtype::F16 => from_f16_blob(b)?,
+            FeatureDtype::F32 => from_f32_blob(b)?,
+        };
+        Ok(Features {
+            n_embd,
+            dtype,
+            values,
+        })
+    }
+}
+
 /// A turn to append.
 #[derive(Debug, Clone)]
 pub struct NewTurn {
@@ -142,13 +191,18 @@ pub struct NewTurn {
     pub latency_ms: Option<f64>,
     /// per-token log-probs (assistant turns)
     pub logprobs: Option<TokenLogprobs>,
-    /// hidden states, `token_ids.len() × n_embd` (stored as f16)
-    pub hidden: Option<(usize, Vec<f32>)>,
+    /// hidden states of the sampling positions
+    pub hidden: Option<Features>,
 }
 
 impl NewTurn {
     /// A turn with only text and tokens (system, user and tool messages).
-    pub fn message(role: Role, text: impl Into<String>, token_ids: Vec<i32>, context_len: usize) -> Self {
+    pub fn message(
+        role: Role,
+        text: impl Into<String>,
+        token_ids: Vec<i32>,
+        context_len: usize,
+    ) -> Self {
         NewTurn {
             role,
             text: text.into(),
@@ -273,7 +327,8 @@ pub struct Store {
     conn: Connection,
 }
 
-const TURN_COLUMNS: &str = "id, session_id, idx, role, text, token_ids, context_len, sampler, behavior, \
+const TURN_COLUMNS: &str =
+    "id, session_id, idx, role, text, token_ids, context_len, sampler, behavior, \
      stop_reason, adapter_id, template, retokenized, latency_ms, created_at";
 const SESSION_COLUMNS: &str =
     "id, created_at, ended_at, source, group_key, outcome_reward, reference, metadata, learned_at";
@@ -313,7 +368,9 @@ impl Store {
     /// # Errors
     /// SQLite errors.
     pub fn schema_version(&self) -> Result<i64> {
-        Ok(self.conn.pragma_query_value(None, "user_version", |r| r.get(0))?)
+        Ok(self
+            .conn
+            .pragma_query_value(None, "user_version", |r| r.get(0))?)
     }
 
     /// Creates a session and returns its id.
@@ -328,7 +385,11 @@ impl Store {
     ///
     /// # Errors
     /// SQLite errors; nothing is written on error.
-    pub fn create_session_with_turns(&mut self, s: &NewSession, turns: &[NewTurn]) -> Result<(i64, Vec<i64>)> {
+    pub fn create_session_with_turns(
+        &mut self,
+        s: &NewSession,
+        turns: &[NewTurn],
+    ) -> Result<(i64, Vec<i64>)> {
         let tx = self.conn.transaction()?;
         let id = insert_session(&tx, s)?;
         let ids = insert_turns(&tx, id, turns)?;
@@ -343,7 +404,9 @@ impl Store {
     pub fn append_turns(&mut self, session_id: i64, turns: &[NewTurn]) -> Result<Vec<i64>> {
         let tx = self.conn.transaction()?;
         let exists: Option<i64> = tx
-            .query_row("SELECT id FROM sessions WHERE id = ?1", [session_id], |r| r.get(0))
+            .query_row("SELECT id FROM sessions WHERE id = ?1", [session_id], |r| {
+                r.get(0)
+            })
             .optional()?;
         if exists.is_none() {
             return Err(Error::NotFound(format!("session {session_id}")));
@@ -360,7 +423,11 @@ impl Store {
     pub fn session_by_hash(&self, hash: &str) -> Result<Option<i64>> {
         Ok(self
             .conn
-            .query_row("SELECT id FROM sessions WHERE content_hash = ?1", [hash], |r| r.get(0))
+            .query_row(
+                "SELECT id FROM sessions WHERE content_hash = ?1",
+                [hash],
+                |r| r.get(0),
+            )
             .optional()?)
     }
 
@@ -446,7 +513,10 @@ impl Store {
             "SELECT {SESSION_COLUMNS} FROM sessions WHERE (?1 IS NULL OR source = ?1) ORDER BY id DESC LIMIT ?2"
         );
         let mut st = self.conn.prepare(&sql)?;
-        let rows = st.query_map(params![source.map(Source::as_str), limit as i64], session_row)?;
+        let rows = st.query_map(
+            params![source.map(Source::as_str), limit as i64],
+            session_row,
+        )?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
@@ -521,20 +591,21 @@ impl Store {
         .transpose()
     }
 
-    /// Hidden states of an assistant turn: `(n_embd, values)`.
+    /// Hidden states of an assistant turn.
     ///
     /// # Errors
     /// SQLite errors; [`Error::Corrupt`].
-    pub fn features(&self, turn_id: i64) -> Result<Option<(usize, Vec<f32>)>> {
-        let row: Option<(i64, Vec<u8>)> = self
+    pub fn features(&self, turn_id: i64) -> Result<Option<Features>> {
+        let row: Option<(i64, String, Vec<u8>)> = self
             .conn
             .query_row(
-                "SELECT n_embd, hidden FROM features WHERE turn_id = ?1",
+                "SELECT n_embd, dtype, hidden FROM features WHERE turn_id = ?1",
                 [turn_id],
-                |r| Ok((r.get(0)?, r.get(1)?)),
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
             )
             .optional()?;
-        row.map(|(n, b)| Ok((n as usize, from_f16_blob(&b)?))).transpose()
+        row.map(|(n, d, b)| Features::decode(n as usize, &d, &b))
+            .transpose()
     }
 
     /// Drops the features (not the text, tokens or log-probs) of sessions created more than
@@ -570,14 +641,23 @@ impl Store {
     /// # Errors
     /// SQLite errors.
     pub fn storage_stats(&self) -> Result<StorageStats> {
-        let q = |sql: &str| -> Result<i64> { Ok(self.conn.query_row(sql, [], |r| r.get::<_, Option<i64>>(0))?.unwrap_or(0)) };
+        let q = |sql: &str| -> Result<i64> {
+            Ok(self
+                .conn
+                .query_row(sql, [], |r| r.get::<_, Option<i64>>(0))?
+                .unwrap_or(0))
+        };
         let page_count = q("PRAGMA page_count")?;
         let page_size = q("PRAGMA page_size")?;
         Ok(StorageStats {
             sessions: q("SELECT COUNT(*) FROM sessions")?,
             turns: q("SELECT COUNT(*) FROM turns")?,
-            sampled_tokens: q("SELECT SUM(t.n_tokens) FROM turns t JOIN tokens k ON k.turn_id = t.id")?,
-            tokens_with_features: q("SELECT SUM(t.n_tokens) FROM turns t JOIN features f ON f.turn_id = t.id")?,
+            sampled_tokens: q(
+                "SELECT SUM(t.n_tokens) FROM turns t JOIN tokens k ON k.turn_id = t.id",
+            )?,
+            tokens_with_features: q(
+                "SELECT SUM(t.n_tokens) FROM turns t JOIN features f ON f.turn_id = t.id",
+            )?,
             feature_bytes: q("SELECT SUM(length(hidden)) FROM features")?,
             token_bytes: q(
                 "SELECT SUM(length(k.logp_behavior) + length(k.logp_full) + length(t.token_ids))
@@ -607,7 +687,8 @@ fn migrate(conn: &mut Connection) -> Result<()> {
         };
         let tx = conn.transaction().map_err(fail)?;
         tx.execute_batch(sql).map_err(fail)?;
-        tx.pragma_update(None, "user_version", version).map_err(fail)?;
+        tx.pragma_update(None, "user_version", version)
+            .map_err(fail)?;
         tx.commit().map_err(fail)?;
         tracing::debug!(version, name, "migration applied");
     }
@@ -637,13 +718,17 @@ fn insert_turns(conn: &Connection, session_id: i64, turns: &[NewTurn]) -> Result
     let mut ids = Vec::with_capacity(turns.len());
     for (k, t) in turns.iter().enumerate() {
         if let Some(lp) = &t.logprobs {
-            if lp.logp_behavior.len() != t.token_ids.len() || lp.logp_full.len() != t.token_ids.len() {
+            if lp.logp_behavior.len() != t.token_ids.len()
+                || lp.logp_full.len() != t.token_ids.len()
+            {
                 return Err(Error::Invalid("log-probs do not align with tokens".into()));
             }
         }
-        if let Some((n_embd, h)) = &t.hidden {
-            if h.len() != n_embd * t.token_ids.len() {
-                return Err(Error::Invalid("hidden states do not align with tokens".into()));
+        if let Some(f) = &t.hidden {
+            if f.values.len() != f.n_embd * t.token_ids.len() {
+                return Err(Error::Invalid(
+                    "hidden states do not align with tokens".into(),
+                ));
             }
         }
         let sampler = t.sampler.as_ref().map(serde_json::to_string).transpose()?;
@@ -675,10 +760,10 @@ fn insert_turns(conn: &Connection, session_id: i64, turns: &[NewTurn]) -> Result
                 params![id, f32_blob(&lp.logp_behavior), f32_blob(&lp.logp_full)],
             )?;
         }
-        if let Some((n_embd, h)) = &t.hidden {
+        if let Some(f) = &t.hidden {
             conn.execute(
-                "INSERT INTO features (turn_id, n_embd, dtype, hidden) VALUES (?1, ?2, 'f16', ?3)",
-                params![id, *n_embd as i64, f16_blob(h)],
+                "INSERT INTO features (turn_id, n_embd, dtype, hidden) VALUES (?1, ?2, ?3, ?4)",
+                params![id, f.n_embd as i64, f.dtype.as_str(), f.encode()?],
             )?;
         }
         ids.push(id);
@@ -741,7 +826,11 @@ mod tests {
                 logp_behavior: vec![-0.5; n],
                 logp_full: vec![-0.75; n],
             }),
-            hidden: Some((4, (0..n * 4).map(|i| i as f32 * 0.25).collect())),
+            hidden: Some(Features {
+                n_embd: 4,
+                dtype: FeatureDtype::F16,
+                values: (0..n * 4).map(|i| i as f32 * 0.25).collect(),
+            }),
             ..NewTurn::message(Role::Assistant, "ok", ids, ctx)
         }
     }
@@ -752,7 +841,13 @@ mod tests {
         assert_eq!(s.schema_version().unwrap(), MIGRATIONS.len() as i64);
         let sid = s.create_session(&NewSession::new(Source::Chat)).unwrap();
         let ids = s
-            .append_turns(sid, &[NewTurn::message(Role::User, "hi", vec![1, 2, 3], 0), assistant(vec![7, 8], 3)])
+            .append_turns(
+                sid,
+                &[
+                    NewTurn::message(Role::User, "hi", vec![1, 2, 3], 0),
+                    assistant(vec![7, 8], 3),
+                ],
+            )
             .unwrap();
         let turns = s.turns(sid).unwrap();
         assert_eq!(turns.len(), 2);
@@ -761,11 +856,12 @@ mod tests {
         assert_eq!(turns[1].behavior, Some(Behavior::Sampled));
         let lp = s.token_logprobs(ids[1]).unwrap().unwrap();
         assert_eq!(lp.logp_full, vec![-0.75, -0.75]);
-        let (n, h) = s.features(ids[1]).unwrap().unwrap();
-        assert_eq!(n, 4);
-        assert_eq!(h[5], 1.25);
+        let f = s.features(ids[1]).unwrap().unwrap();
+        assert_eq!(f.n_embd, 4);
+        assert_eq!(f.values[5], 1.25);
         // a second exchange continues the index
-        s.append_turns(sid, &[NewTurn::message(Role::User, "more", vec![4], 5)]).unwrap();
+        s.append_turns(sid, &[NewTurn::message(Role::User, "more", vec![4], 5)])
+            .unwrap();
         assert_eq!(s.turns(sid).unwrap()[2].idx, 2);
         let st = s.storage_stats().unwrap();
         assert_eq!((st.sampled_tokens, st.tokens_with_features), (2, 2));
@@ -777,10 +873,17 @@ mod tests {
         let mut s = Store::in_memory().unwrap();
         let sid = s.create_session(&NewSession::new(Source::Chat)).unwrap();
         let mut bad = assistant(vec![1, 2], 0);
-        bad.hidden = Some((4, vec![0.0; 3]));
+        bad.hidden = Some(Features {
+            n_embd: 4,
+            dtype: FeatureDtype::F32,
+            values: vec![0.0; 3],
+        });
         let good = NewTurn::message(Role::User, "hi", vec![1], 0);
         assert!(s.append_turns(sid, &[good, bad]).is_err());
-        assert!(s.turns(sid).unwrap().is_empty(), "the transaction must roll back");
+        assert!(
+            s.turns(sid).unwrap().is_empty(),
+            "the transaction must roll back"
+        );
         assert!(matches!(s.append_turns(999, &[]), Err(Error::NotFound(_))));
     }
 
@@ -789,8 +892,10 @@ mod tests {
         let mut s = Store::in_memory().unwrap();
         let sid = s.create_session(&NewSession::new(Source::Chat)).unwrap();
         let ids = s.append_turns(sid, &[assistant(vec![5], 0)]).unwrap();
-        s.add_feedback(sid, None, "outcome", Some(1.0), None).unwrap();
-        s.add_feedback(sid, Some(0), "thumb", Some(-1.0), Some("rude")).unwrap();
+        s.add_feedback(sid, None, "outcome", Some(1.0), None)
+            .unwrap();
+        s.add_feedback(sid, Some(0), "thumb", Some(-1.0), Some("rude"))
+            .unwrap();
         assert_eq!(s.session(sid).unwrap().outcome_reward, Some(1.0));
         assert_eq!(s.feedback(sid).unwrap().len(), 2);
         // not learned yet: gc with only_learned keeps it

@@ -1,0 +1,249 @@
+//! The real binary: piped chat, durability under kill -9, import/export, bad model files.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+
+use turnwise::store::{Behavior, Store};
+
+use crate::common::{model_path, show, tempdir, turnwise};
+
+#[test]
+fn piped_chat_logs_every_turn_and_feedback() {
+    let dir = tempdir();
+    let db = dir.path().join("chat.db");
+    let mut child = turnwise(&db)
+        .args(["chat", "--seed", "3", "--max-tokens", "24"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(b"Hi, I need help with order 10442.\n/good\nIt is late.\n\xff\xfe\n/unresolved\nNew question here.\n/quit\n")
+        .unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("not valid UTF-8"), "{}", show(&out));
+    let store = Store::open(&db).unwrap();
+    let sessions = store.sessions(None, 10).unwrap();
+    assert_eq!(sessions.len(), 2, "/unresolved ends the first session");
+    let first = sessions
+        .iter()
+        .find(|s| s.outcome_reward.is_some())
+        .unwrap();
+    assert_eq!(first.outcome_reward, Some(0.0));
+    assert!(first.ended_at.is_some());
+    let turns = store.turns(first.id).unwrap();
+    let roles: Vec<&str> = turns.iter().map(|t| t.role.as_str()).collect();
+    assert_eq!(roles, ["system", "user", "assistant", "user", "assistant"]);
+    let fb = store.feedback(first.id).unwrap();
+    assert_eq!(fb[0].kind, "thumb");
+    assert_eq!(fb[0].turn_idx, Some(2));
+    for t in turns.iter().filter(|t| t.role == turnwise::Role::Assistant) {
+        assert_eq!(t.behavior, Some(Behavior::Sampled));
+        assert!(store.features(t.id).unwrap().is_some());
+    }
+    // same seed, same input -> same first reply
+    let db2 = dir.path().join("chat2.db");
+    let mut child = turnwise(&db2)
+        .args(["chat", "--seed", "3", "--max-tokens", "24"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hi, I need help with order 10442.\n")
+        .unwrap();
+    let out2 = child.wait_with_output().unwrap();
+    let s2 = Store::open(&db2).unwrap();
+    let id2 = s2.sessions(None, 1).unwrap()[0].id;
+    assert_eq!(
+        s2.turns(id2).unwrap()[2].token_ids,
+        turns[2].token_ids,
+        "{}",
+        show(&out2)
+    );
+}
+
+#[test]
+fn a_turn_answered_is_in_the_database_when_the_process_is_killed_right_after() {
+    let dir = tempdir();
+    let db = dir.path().join("kill.db");
+    let mut child = turnwise(&db)
+        .args(["chat", "--seed", "1", "--max-tokens", "16"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(b"Hello there, where is my order 99120?\n")
+        .unwrap();
+    stdin.flush().unwrap();
+    // the reply line ends with a newline once the turn is committed: kill the instant it appears
+    let mut reader = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    child.kill().unwrap(); // SIGKILL: no destructor, no clean shutdown
+    child.wait().unwrap();
+    let store = Store::open(&db).unwrap();
+    let s = store.sessions(None, 1).unwrap();
+    assert_eq!(s.len(), 1);
+    let turns = store.turns(s[0].id).unwrap();
+    assert_eq!(turns.last().unwrap().role, turnwise::Role::Assistant);
+    assert_eq!(turns.last().unwrap().text.trim(), line.trim());
+    assert!(store
+        .token_logprobs(turns.last().unwrap().id)
+        .unwrap()
+        .is_some());
+}
+
+#[test]
+fn import_reports_bad_lines_keeps_good_ones_and_does_not_duplicate() {
+    let dir = tempdir();
+    let db = dir.path().join("import.db");
+    let file = dir.path().join("chats.jsonl");
+    let huge = "please ".repeat(4000);
+    let mut data = Vec::new();
+    data.extend_from_slice(br#"{"messages":[{"role":"system","content":"You are a support agent."},{"role":"user","content":"Refund order 12345 please."},{"role":"assistant","content":"I have refunded order 12345."}],"outcome":"resolved","reference":"ACTION refund 12345","group":"refund"}"#);
+    data.push(b'\n');
+    data.extend_from_slice(b"{not json\n");
+    data.extend_from_slice(br#"{"messages":[{"role":"wizard","content":"x"}]}"#);
+    data.push(b'\n');
+    data.extend_from_slice(b"{\"messages\":[{\"role\":\"user\",\"content\":\"caf\xe9\"},{\"role\":\"assistant\",\"content\":\"x\"}]}\n");
+    data.extend_from_slice(format!(r#"{{"messages":[{{"role":"user","content":"{huge}"}},{{"role":"assistant","content":"ok"}}]}}"#).as_bytes());
+    data.push(b'\n');
+    data.extend_from_slice(br#"{"messages":[{"role":"user","content":"Where is 777?"},{"role":"assistant","content":null,"tool_calls":[{"type":"function","function":{"name":"lookup","arguments":"{\"id\":777}"}}]},{"role":"tool","content":"shipped"},{"role":"assistant","content":"It has shipped."}],"outcome":0.5}"#);
+    data.push(b'\n');
+    std::fs::write(&file, &data).unwrap();
+
+    let out = turnwise(&db).arg("import").arg(&file).output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "skipped lines give a non-zero exit\n{}",
+        show(&out)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for (line, why) in [
+        (2, "not a JSON"),
+        (3, "unknown role"),
+        (4, "UTF-8"),
+        (5, "context"),
+    ] {
+        assert!(
+            stderr.contains(&format!("line {line}: skipped")) && stderr.contains(why),
+            "line {line} ({why})\n{}",
+            show(&out)
+        );
+    }
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .contains("imported 2 sessions, 0 already present, 4 lines skipped"),
+        "{}",
+        show(&out)
+    );
+
+    let store = Store::open(&db).unwrap();
+    let sessions = store.sessions(None, 10).unwrap();
+    assert_eq!(sessions.len(), 2);
+    let refund = sessions
+        .iter()
+        .find(|s| s.group_key.as_deref() == Some("refund"))
+        .unwrap();
+    assert_eq!(refund.outcome_reward, Some(1.0));
+    assert_eq!(refund.reference.as_deref(), Some("ACTION refund 12345"));
+    let turns = store.turns(refund.id).unwrap();
+    let a = &turns[2];
+    assert_eq!(a.behavior, Some(Behavior::Rescored));
+    let lp = store.token_logprobs(a.id).unwrap().unwrap();
+    assert_eq!(lp.logp_full.len(), a.token_ids.len());
+    assert!(lp.logp_full.iter().all(|x| x.is_finite() && *x <= 0.0));
+    assert!(store.features(a.id).unwrap().is_some());
+    let tool = store
+        .turns(sessions.iter().find(|s| s.id != refund.id).unwrap().id)
+        .unwrap();
+    assert!(tool[1].text.contains("<tool_call>"));
+    drop(store);
+
+    // importing the same file again adds nothing
+    let again = turnwise(&db).arg("import").arg(&file).output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&again.stdout).contains("imported 0 sessions, 2 already present"),
+        "{}",
+        show(&again)
+    );
+    assert_eq!(
+        Store::open(&db).unwrap().sessions(None, 10).unwrap().len(),
+        2
+    );
+
+    // export writes the import format back; re-importing the export finds duplicates only
+    let exported = dir.path().join("out.jsonl");
+    let ex = turnwise(&db)
+        .args(["export", "--out"])
+        .arg(&exported)
+        .output()
+        .unwrap();
+    assert!(ex.status.success(), "{}", show(&ex));
+    let text = std::fs::read_to_string(&exported).unwrap();
+    assert_eq!(text.lines().count(), 2);
+    let back = turnwise(&db).arg("import").arg(&exported).output().unwrap();
+    assert!(back.status.success(), "{}", show(&back));
+    assert!(
+        String::from_utf8_lossy(&back.stdout).contains("imported 0 sessions, 2 already present"),
+        "{}",
+        show(&back)
+    );
+}
+
+#[test]
+fn a_file_that_is_not_a_gguf_model_is_a_clear_error() {
+    let dir = tempdir();
+    let bad = dir.path().join("model.gguf");
+    std::fs::write(&bad, b"this is not a model").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_turnwise"))
+        .env("TURNWISE_DB", dir.path().join("x.db"))
+        .args(["chat", "--model"])
+        .arg(&bad)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("not a GGUF model"), "{}", show(&out));
+    let missing = Command::new(env!("CARGO_BIN_EXE_turnwise"))
+        .args(["chat", "--model", "/nonexistent.gguf"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&missing.stderr).contains("no such file"),
+        "{}",
+        show(&missing)
+    );
+    // a truncated copy of the real model: GGUF magic, but not loadable
+    let real = std::fs::read(model_path()).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &real[..4096]).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_turnwise"))
+        .env("TURNWISE_DB", dir.path().join("x.db"))
+        .args(["chat", "--model"])
+        .arg(&cut)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("bad model file"),
+        "{}",
+        show(&out)
+    );
+}

@@ -1,0 +1,8 @@
+//! Integration tests against the real default model, real SQLite files and the real binary.
+//! All areas build into this one test binary (one shared engine).
+
+mod common;
+
+mod cli;
+mod policy;
+mod store;
