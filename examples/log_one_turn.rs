@@ -34,7 +34,7 @@ fn main() -> anyhow::Result<()> {
     let gen = engine.generate(session as u64, messages, params.clone(), None)?;
     let ids = store.append_turns(
         session,
-        &turns_from_generation(&gen, &params, engine.info(), None),
+        &turns_from_generation(&gen, &params, engine.info()),
     )?;
 
     println!("session {session} in {db}");

@@ -5,16 +5,20 @@
 //! - [`policy`]: the GGUF model on llama.cpp, owned by one engine thread; sessions as token
 //!   sequences that only grow; a sampler that records exact behaviour log-probs and the hidden
 //!   state of every sampled position; `base_logits(h)` to recompute logits without llama.cpp.
+//! - [`adapter`]: the output-projection LoRA and value head, PEFT safetensors, applied at sampling.
 //! - [`store`]: the SQLite turn log (sessions, turns, tokens, features, feedback, annotations,
 //!   adapters), migrations applied on open.
+//! - [`learn`]: advantages, the clipped surrogate and the update that trains the adapter.
 //! - [`session`]: glue that turns an engine generation into store rows.
 //! - [`replay`]: import and export of JSON Lines chat logs (offline replay).
 //! - [`assets`]: first-use provisioning of the default model and ONNX Runtime from PyPI wheels.
 //! - [`config`]: resolved paths and defaults.
 
+pub mod adapter;
 pub mod assets;
 pub mod config;
 pub mod error;
+pub mod learn;
 pub mod policy;
 pub mod replay;
 pub mod session;

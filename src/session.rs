@@ -9,7 +9,6 @@ pub fn turns_from_generation(
     gen: &Generation,
     params: &SamplerParams,
     info: &ModelInfo,
-    adapter_id: Option<i64>,
 ) -> Vec<NewTurn> {
     let template = info.template.as_str();
     let r = &gen.reply;
@@ -37,7 +36,7 @@ pub fn turns_from_generation(
         sampler: Some(params.clone()),
         behavior: Some(Behavior::Sampled),
         stop_reason: Some(stop.into()),
-        adapter_id,
+        adapter_id: r.adapter_id,
         template: Some(template.to_string()),
         latency_ms: Some(r.prefill_ms + r.decode_ms),
         logprobs: Some(TokenLogprobs {

@@ -65,7 +65,7 @@ fn generated_turns_are_logged_with_features_within_budget() {
     e.close(k);
     let info = e.info();
     let ids = store
-        .append_turns(sid, &turns_from_generation(&g, &p, info, None))
+        .append_turns(sid, &turns_from_generation(&g, &p, info))
         .unwrap();
     let turns = store.turns(sid).unwrap();
     assert_eq!(turns.len(), 2);

@@ -4,5 +4,6 @@
 mod common;
 
 mod cli;
+mod learn;
 mod policy;
 mod store;

@@ -98,7 +98,7 @@ impl Chat<'_> {
             .join()
             .map_err(|_| anyhow::anyhow!("engine call panicked"))??;
         let info = self.engine.info();
-        let turns = turns_from_generation(&gen, &params, info, None);
+        let turns = turns_from_generation(&gen, &params, info);
         // the turn is durable before we acknowledge it with the newline
         let ids = self.store.append_turns(id, &turns)?;
         self.replies += 1;
@@ -117,6 +117,10 @@ impl Chat<'_> {
 pub fn run(args: ChatArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode> {
     let store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
     let engine = args.model.start(verbose)?;
+    if let Some((id, a)) = super::train::active_adapter(&store)? {
+        engine.set_adapter(Some((id, a)))?;
+        tracing::info!(adapter = id, "sampling with the active adapter");
+    }
     let tty = std::io::stdin().is_terminal();
     if tty {
         eprintln!(

@@ -9,7 +9,7 @@ use anyhow::Context as _;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::replay;
-use turnwise::store::{Source, Store};
+use turnwise::store::Store;
 
 use super::ModelArgs;
 
@@ -81,14 +81,7 @@ pub fn run(args: ImportArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCod
 /// Database and I/O errors; an unknown source name.
 pub fn export(args: ExportArgs, db: &Path) -> anyhow::Result<ExitCode> {
     let store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
-    let source = match args.source.as_deref() {
-        None => None,
-        Some("live") => Some(Source::Live),
-        Some("chat") => Some(Source::Chat),
-        Some("import") => Some(Source::Import),
-        Some("demo") => Some(Source::Demo),
-        Some(other) => anyhow::bail!("unknown source {other:?} (live, chat, import, demo)"),
-    };
+    let source = super::train::parse_source(args.source.as_deref())?;
     let n = match &args.out {
         Some(p) => {
             let f = File::create(p).with_context(|| format!("creating {}", p.display()))?;

@@ -6,6 +6,7 @@ mod fetch;
 mod gc;
 mod import;
 mod sessions;
+mod train;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -41,6 +42,10 @@ enum Cmd {
     Gc(gc::GcArgs),
     /// List or show logged sessions, and storage statistics
     Sessions(sessions::SessionsArgs),
+    /// Run one update of the adapter over logged sessions (offline replay)
+    Train(Box<train::TrainArgs>),
+    /// List, show, activate or roll back adapter versions
+    Adapters(train::AdaptersArgs),
     /// Measure prefill and decode speed: Turnwise's engine against plain llama.cpp
     Bench(bench::BenchArgs),
 }
@@ -102,6 +107,8 @@ pub fn main() -> ExitCode {
         Cmd::Gc(a) => gc::run(a, &db),
         Cmd::Sessions(a) => sessions::run(a, &db),
         Cmd::Bench(a) => bench::run(a, cli.verbose),
+        Cmd::Train(a) => train::run(*a, &db),
+        Cmd::Adapters(a) => train::adapters(a, &db),
     };
     match result {
         Ok(code) => code,

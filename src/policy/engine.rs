@@ -18,6 +18,7 @@ use super::conversation::{Conversation, Message, PromptTurn, Role, Utf8Stream};
 use super::head::{output_types, FeatureDtype};
 use super::llama::{self, Context, ContextParams, Model, Token};
 use super::sampler::{self, Rng, SamplerParams};
+use crate::adapter::Adapter;
 use crate::error::{Error, Result};
 
 /// How the engine is set up.
@@ -114,6 +115,8 @@ pub struct Reply {
     pub prefill_ms: f64,
     /// milliseconds from the first sampled token to the end
     pub decode_ms: f64,
+    /// the adapter that was applied to every token of this reply
+    pub adapter_id: Option<i64>,
 }
 
 /// The result of a generation request.
@@ -166,6 +169,10 @@ enum Command {
     },
     Close {
         session: u64,
+    },
+    SetAdapter {
+        adapter: Option<(i64, Arc<Adapter>)>,
+        reply: Reply1<()>,
     },
 }
 
@@ -307,6 +314,18 @@ impl Engine {
         Self::wait(self.call(|reply| Command::Tokenize { text, reply }))
     }
 
+    /// Switches the adapter applied at sampling time (`None`: the base model). The switch takes
+    /// effect between requests: a generation in progress finishes on the adapter it started with.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the adapter's shapes do not fit the model.
+    pub fn set_adapter(&self, adapter: Option<(i64, Arc<Adapter>)>) -> Result<()> {
+        if let Some((_, a)) = &adapter {
+            a.check_model(self.info.n_embd, self.info.n_vocab)?;
+        }
+        Self::wait(self.call(|reply| Command::SetAdapter { adapter, reply }))
+    }
+
     /// Forgets a session's in-memory state (its log stays in the store).
     pub fn close(&self, session: u64) {
         let _ = self.tx.send(Command::Close { session });
@@ -328,6 +347,8 @@ struct Worker {
     eog: Vec<Token>,
     /// tokens currently in the KV cache
     cached: Vec<Token>,
+    /// adapter applied to the logits before sampling
+    adapter: Option<(i64, Arc<Adapter>)>,
 }
 
 impl Worker {
@@ -382,6 +403,7 @@ impl Worker {
             info,
             sessions: HashMap::new(),
             cached: Vec::new(),
+            adapter: None,
         })
     }
 
@@ -425,6 +447,10 @@ impl Worker {
                 }
                 Command::Close { session } => {
                     self.sessions.remove(&session);
+                }
+                Command::SetAdapter { adapter, reply } => {
+                    self.adapter = adapter;
+                    let _ = reply.send(Ok(()));
                 }
             }
         }
@@ -577,7 +603,11 @@ impl Worker {
         let mut hidden = Vec::with_capacity(p.max_tokens * self.n_embd);
         let mut visible_len = None;
         let mut streamed = 0usize;
+        let adapter = self.adapter.clone();
         let stop = loop {
+            if let Some((_, a)) = &adapter {
+                a.apply(&h, &mut logits);
+            }
             if p.ignore_eog {
                 for &t in &self.eog {
                     logits[t as usize] = f32::NEG_INFINITY;
@@ -630,6 +660,7 @@ impl Worker {
             prefill_tokens,
             prefill_ms,
             decode_ms: t1.elapsed().as_secs_f64() * 1e3,
+            adapter_id: adapter.map(|(id, _)| id),
         };
         Ok((conv, reply))
     }

@@ -30,7 +30,30 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0002_updates_metrics.sql",
         include_str!("../../migrations/0002_updates_metrics.sql"),
     ),
+    (
+        "0003_adapter_activation.sql",
+        include_str!("../../migrations/0003_adapter_activation.sql"),
+    ),
 ];
+
+/// A registered adapter version.
+#[derive(Debug, Clone, Serialize)]
+pub struct AdapterRecord {
+    /// id (also its directory name)
+    pub id: i64,
+    /// the adapter it was trained from
+    pub parent_id: Option<i64>,
+    /// creation time
+    pub created_at: String,
+    /// directory
+    pub path: String,
+    /// writing | candidate | active | retired | rejected
+    pub status: String,
+    /// metrics JSON
+    pub metrics: serde_json::Value,
+    /// last activation time
+    pub activated_at: Option<String>,
+}
 
 /// Where a session came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -667,6 +690,214 @@ impl Store {
         })
     }
 
+    /// Registers an adapter version that is about to be written (status `writing`).
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn register_adapter(
+        &self,
+        parent_id: Option<i64>,
+        path_of: impl FnOnce(i64) -> String,
+    ) -> Result<i64> {
+        self.conn.execute(
+            "INSERT INTO adapters (parent_id, path, status) VALUES (?1, '', 'writing')",
+            params![parent_id],
+        )?;
+        let id = self.conn.last_insert_rowid();
+        self.conn.execute(
+            "UPDATE adapters SET path = ?2 WHERE id = ?1",
+            params![id, path_of(id)],
+        )?;
+        Ok(id)
+    }
+
+    /// Sets an adapter's status and metrics (e.g. `candidate` once fully written).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`]; SQLite errors.
+    pub fn set_adapter_status(
+        &self,
+        id: i64,
+        status: &str,
+        metrics: Option<&serde_json::Value>,
+    ) -> Result<()> {
+        let n = self.conn.execute(
+            "UPDATE adapters SET status = ?2, metrics = COALESCE(?3, metrics) WHERE id = ?1",
+            params![id, status, metrics.map(|m| m.to_string())],
+        )?;
+        if n == 0 {
+            return Err(Error::NotFound(format!("adapter {id}")));
+        }
+        Ok(())
+    }
+
+    /// All adapters, newest first.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn adapters(&self) -> Result<Vec<AdapterRecord>> {
+        let mut st = self.conn.prepare(
+            "SELECT id, parent_id, created_at, path, status, metrics, activated_at FROM adapters ORDER BY id DESC",
+        )?;
+        let rows = st.query_map([], adapter_row)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// One adapter.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`]; SQLite errors.
+    pub fn adapter(&self, id: i64) -> Result<AdapterRecord> {
+        self.conn
+            .query_row(
+                "SELECT id, parent_id, created_at, path, status, metrics, activated_at FROM adapters WHERE id = ?1",
+                [id],
+                adapter_row,
+            )
+            .optional()?
+            .ok_or_else(|| Error::NotFound(format!("adapter {id}")))
+    }
+
+    /// The active adapter, if any.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn active_adapter(&self) -> Result<Option<AdapterRecord>> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT id, parent_id, created_at, path, status, metrics, activated_at FROM adapters
+                 WHERE status = 'active' ORDER BY activated_at DESC LIMIT 1",
+                [],
+                adapter_row,
+            )
+            .optional()?)
+    }
+
+    /// Makes `id` the active adapter (the previous one becomes `retired`, kept for rollback).
+    /// Only a fully written adapter (`candidate`, `retired` or `active`) can be activated.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`]; [`Error::Invalid`] for an adapter in another state.
+    pub fn activate_adapter(&mut self, id: i64) -> Result<()> {
+        let tx = self.conn.transaction()?;
+        let status: Option<String> = tx
+            .query_row("SELECT status FROM adapters WHERE id = ?1", [id], |r| {
+                r.get(0)
+            })
+            .optional()?;
+        match status.as_deref() {
+            None => return Err(Error::NotFound(format!("adapter {id}"))),
+            Some("candidate" | "retired" | "active") => {}
+            Some(other) => {
+                return Err(Error::Invalid(format!(
+                    "adapter {id} is {other}; it cannot be activated"
+                )))
+            }
+        }
+        let previous: Option<i64> = tx
+            .query_row(
+                "SELECT id FROM adapters WHERE status = 'active' AND id != ?1 ORDER BY activated_at DESC LIMIT 1",
+                [id],
+                |r| r.get(0),
+            )
+            .optional()?;
+        tx.execute(
+            "UPDATE adapters SET status = 'retired' WHERE status = 'active' AND id != ?1",
+            [id],
+        )?;
+        tx.execute(
+            "UPDATE adapters SET status = 'active', activated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
+                 previous_id = CASE WHEN status = 'active' THEN previous_id ELSE ?2 END
+             WHERE id = ?1",
+            params![id, previous],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Deactivates the active adapter and re-activates the one that was active before it (or
+    /// none: the base model). Repeated rollbacks walk back the activation history. Returns the
+    /// adapter now active.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when no adapter is active.
+    pub fn rollback_adapter(&mut self) -> Result<Option<i64>> {
+        let tx = self.conn.transaction()?;
+        let (current, previous): (i64, Option<i64>) = tx
+            .query_row(
+                "SELECT id, previous_id FROM adapters WHERE status = 'active' ORDER BY activated_at DESC LIMIT 1",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?
+            .ok_or_else(|| Error::Invalid("no adapter is active".into()))?;
+        tx.execute(
+            "UPDATE adapters SET status = 'retired' WHERE id = ?1",
+            [current],
+        )?;
+        if let Some(p) = previous {
+            tx.execute(
+                "UPDATE adapters SET status = 'active', activated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE id = ?1",
+                [p],
+            )?;
+        }
+        tx.commit()?;
+        Ok(previous)
+    }
+
+    /// Records an update and returns its id.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn record_update(
+        &self,
+        adapter_id: Option<i64>,
+        algo: &str,
+        config: &serde_json::Value,
+        diagnostics: &serde_json::Value,
+        status: &str,
+    ) -> Result<i64> {
+        self.conn.execute(
+            "INSERT INTO updates (adapter_id, algo, config, diagnostics, status) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![adapter_id, algo, config.to_string(), diagnostics.to_string(), status],
+        )?;
+        Ok(self.conn.last_insert_rowid())
+    }
+
+    /// Finished sessions usable for training, oldest first: with an outcome unless
+    /// `require_outcome` is false; optionally of one source, created at or after `since`.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn training_sessions(
+        &self,
+        source: Option<Source>,
+        since: Option<&str>,
+        require_outcome: bool,
+        limit: usize,
+    ) -> Result<Vec<SessionRecord>> {
+        let sql = format!(
+            "SELECT {SESSION_COLUMNS} FROM sessions
+             WHERE ended_at IS NOT NULL AND (?1 IS NULL OR source = ?1) AND (?2 IS NULL OR created_at >= ?2)
+               AND (?3 = 0 OR outcome_reward IS NOT NULL)
+             ORDER BY id DESC LIMIT ?4"
+        );
+        let mut st = self.conn.prepare(&sql)?;
+        let rows = st.query_map(
+            params![
+                source.map(Source::as_str),
+                since,
+                require_outcome,
+                limit as i64
+            ],
+            session_row,
+        )?;
+        let mut v: Vec<SessionRecord> = rows.collect::<rusqlite::Result<_>>()?;
+        v.reverse();
+        Ok(v)
+    }
+
     /// The underlying connection, for read-only ad-hoc queries in tests and reports.
     pub fn connection(&self) -> &Connection {
         &self.conn
@@ -769,6 +1000,19 @@ fn insert_turns(conn: &Connection, session_id: i64, turns: &[NewTurn]) -> Result
         ids.push(id);
     }
     Ok(ids)
+}
+
+fn adapter_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<AdapterRecord> {
+    let m: String = r.get(5)?;
+    Ok(AdapterRecord {
+        id: r.get(0)?,
+        parent_id: r.get(1)?,
+        created_at: r.get(2)?,
+        path: r.get(3)?,
+        status: r.get(4)?,
+        metrics: serde_json::from_str(&m).unwrap_or(serde_json::Value::Null),
+        activated_at: r.get(6)?,
+    })
 }
 
 fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRecord> {
@@ -905,6 +1149,33 @@ mod tests {
         assert!(s.features(ids[0]).unwrap().is_none());
         assert!(s.token_logprobs(ids[0]).unwrap().is_some());
         assert_eq!(s.turns(sid).unwrap()[0].text, "ok");
+    }
+
+    #[test]
+    fn adapters_activate_and_roll_back() {
+        let mut s = Store::in_memory().unwrap();
+        let a = s.register_adapter(None, |id| format!("a/{id}")).unwrap();
+        assert!(
+            s.activate_adapter(a).is_err(),
+            "a half-written adapter cannot be activated"
+        );
+        s.set_adapter_status(a, "candidate", None).unwrap();
+        s.activate_adapter(a).unwrap();
+        let b = s.register_adapter(Some(a), |id| format!("a/{id}")).unwrap();
+        s.set_adapter_status(b, "candidate", None).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        s.activate_adapter(b).unwrap();
+        assert_eq!(s.active_adapter().unwrap().unwrap().id, b);
+        assert_eq!(s.adapter(a).unwrap().status, "retired");
+        assert_eq!(s.rollback_adapter().unwrap(), Some(a));
+        assert_eq!(s.active_adapter().unwrap().unwrap().id, a);
+        assert_eq!(
+            s.rollback_adapter().unwrap(),
+            None,
+            "before a there was the base model"
+        );
+        assert!(s.active_adapter().unwrap().is_none());
+        assert_eq!(s.adapter(b).unwrap().path, format!("a/{b}"));
     }
 
     #[test]

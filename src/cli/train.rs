@@ -1,0 +1,261 @@
+//! `turnwise train`: one update over the logged sessions (offline replay), and
+//! `turnwise adapters`: list, show, activate, roll back.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::{Args, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use turnwise::adapter::Adapter;
+use turnwise::assets;
+use turnwise::learn::objective::{Aggregation, ClipMode, Granularity};
+use turnwise::learn::{run_update, Algo, Selection, TrainConfig};
+use turnwise::policy::OutputHead;
+use turnwise::store::{Source, Store};
+
+/// Options of `turnwise train`. Unset switches take the preset's value.
+#[derive(Args)]
+pub struct TrainArgs {
+    /// Preset: a2tgpo (turn ratio, adaptive clip 3e-3/4e-3), atpo (turn ratio, fixed clip),
+    /// gspo (sequence ratio), grpo (token ratio, clip 0.2/0.28), sft (supervised warm start)
+    #[arg(long, value_enum, default_value_t = Algo::A2tgpo)]
+    algo: Algo,
+    /// GGUF model the sessions were logged with [default: the default model]
+    #[arg(long)]
+    model: Option<std::path::PathBuf>,
+    /// Only sessions of this source (live, chat, import, demo)
+    #[arg(long)]
+    source: Option<String>,
+    /// Only sessions created at or after this time (ISO 8601, UTC)
+    #[arg(long)]
+    since: Option<String>,
+    /// At most this many (newest) sessions
+    #[arg(long, default_value_t = 1000)]
+    limit: usize,
+    /// Passes over the batch [preset: 2, sft 20]
+    #[arg(long)]
+    epochs: Option<usize>,
+    /// AdamW learning rate [preset: 1e-3, sft 5e-3]
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Tokens per minibatch
+    #[arg(long, default_value_t = 512)]
+    minibatch_tokens: usize,
+    /// Ratio granularity [preset]
+    #[arg(long, value_enum)]
+    granularity: Option<Granularity>,
+    /// Clip mode [preset]
+    #[arg(long, value_enum)]
+    clip: Option<ClipMode>,
+    /// Lower clip width ε_low [preset]
+    #[arg(long)]
+    eps_low: Option<f64>,
+    /// Upper clip width ε_high [preset]
+    #[arg(long)]
+    eps_high: Option<f64>,
+    /// Loss aggregation [preset]
+    #[arg(long, value_enum)]
+    aggregation: Option<Aggregation>,
+    /// Dr.GRPO: centre outcomes without dividing by their std
+    #[arg(long)]
+    dr_grpo: bool,
+    /// DAPO: drop groups whose outcomes are all equal
+    #[arg(long)]
+    drop_uninformative: bool,
+    /// Truncated importance sampling cap C (off when unset; ALGORITHMS.md uses 2)
+    #[arg(long)]
+    tis: Option<f64>,
+    /// k3 KL-to-base coefficient
+    #[arg(long, default_value_t = 0.0)]
+    kl_coef: f64,
+    /// A²TGPO α (weight of the process term)
+    #[arg(long, default_value_t = 1.0)]
+    alpha: f64,
+    /// LoRA rank of a fresh adapter
+    #[arg(long, default_value_t = 8)]
+    rank: usize,
+    /// Value-head loss coefficient (0 disables)
+    #[arg(long, default_value_t = 0.5)]
+    value_coef: f64,
+    /// SFT: only sessions whose outcome is at least this
+    #[arg(long)]
+    min_outcome: Option<f64>,
+    /// Start from a fresh adapter instead of the active one
+    #[arg(long)]
+    fresh: bool,
+    /// Activate the candidate when the update succeeds
+    #[arg(long)]
+    activate: bool,
+}
+
+/// Options of `turnwise adapters`.
+#[derive(Args)]
+pub struct AdaptersArgs {
+    #[command(subcommand)]
+    cmd: AdaptersCmd,
+}
+
+#[derive(Subcommand)]
+enum AdaptersCmd {
+    /// All adapter versions
+    List,
+    /// One adapter's record and metrics
+    Show {
+        /// adapter id
+        id: i64,
+    },
+    /// Make an adapter the one the policy samples with
+    Activate {
+        /// adapter id
+        id: i64,
+    },
+    /// Return to the adapter active before the current one (or the base model)
+    Rollback,
+}
+
+pub(crate) fn parse_source(s: Option<&str>) -> anyhow::Result<Option<Source>> {
+    Ok(match s {
+        None => None,
+        Some("live") => Some(Source::Live),
+        Some("chat") => Some(Source::Chat),
+        Some("import") => Some(Source::Import),
+        Some("demo") => Some(Source::Demo),
+        Some(other) => anyhow::bail!("unknown source {other:?} (live, chat, import, demo)"),
+    })
+}
+
+/// The active adapter of a store, loaded and checked, for the engine.
+///
+/// # Errors
+/// Store errors or an unreadable adapter directory.
+pub fn active_adapter(store: &Store) -> anyhow::Result<Option<(i64, Arc<Adapter>)>> {
+    match store.active_adapter()? {
+        None => Ok(None),
+        Some(rec) => {
+            let a = Adapter::load(Path::new(&rec.path))
+                .with_context(|| format!("loading active adapter {}", rec.id))?;
+            Ok(Some((rec.id, Arc::new(a))))
+        }
+    }
+}
+
+/// Runs one update.
+///
+/// # Errors
+/// Selection, store and numerical errors (a rejected update leaves the active adapter as it was).
+pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
+    let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
+    let model = assets::resolve_model(args.model.as_deref(), false)?;
+    let head = OutputHead::from_gguf(&model)?;
+    let mut cfg = TrainConfig::preset(args.algo);
+    if let Some(v) = args.epochs {
+        cfg.epochs = v;
+    }
+    if let Some(v) = args.lr {
+        cfg.lr = v;
+    }
+    if let Some(v) = args.granularity {
+        cfg.objective.granularity = v;
+    }
+    if let Some(v) = args.clip {
+        cfg.objective.clip = v;
+    }
+    if let Some(v) = args.eps_low {
+        cfg.objective.eps_low = v;
+    }
+    if let Some(v) = args.eps_high {
+        cfg.objective.eps_high = v;
+    }
+    if let Some(v) = args.aggregation {
+        cfg.objective.aggregation = v;
+    }
+    cfg.objective.tis_cap = args.tis;
+    cfg.objective.kl_coef = args.kl_coef;
+    cfg.dr_grpo = args.dr_grpo;
+    cfg.drop_uninformative = args.drop_uninformative;
+    cfg.alpha = args.alpha;
+    cfg.rank = args.rank;
+    cfg.value_coef = args.value_coef;
+    cfg.minibatch_tokens = args.minibatch_tokens;
+    cfg.sft_min_outcome = args.min_outcome;
+    let parent = if args.fresh {
+        None
+    } else {
+        active_adapter(&store)?
+    };
+    let sel = Selection {
+        source: parse_source(args.source.as_deref())?,
+        since: args.since.clone(),
+        limit: args.limit,
+    };
+    let pb = ProgressBar::new(1);
+    pb.set_style(
+        ProgressStyle::with_template("{msg:18} [{bar:30}] {pos}/{len}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    let report = run_update(
+        &mut store,
+        db,
+        &head,
+        parent,
+        &cfg,
+        &sel,
+        |phase, done, total| {
+            pb.set_message(phase.to_string());
+            pb.set_length(total as u64);
+            pb.set_position(done as u64);
+        },
+    );
+    pb.finish_and_clear();
+    let report = report?;
+    let id = report.adapter_id.unwrap_or_default();
+    println!("update {} wrote candidate adapter {id}", report.update_id);
+    println!("{}", serde_json::to_string_pretty(&report.diagnostics)?);
+    if args.activate {
+        store.activate_adapter(id)?;
+        println!("adapter {id} is active");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Lists, shows, activates or rolls back adapters.
+///
+/// # Errors
+/// Store errors; activating an adapter that is not fully written.
+pub fn adapters(args: AdaptersArgs, db: &Path) -> anyhow::Result<ExitCode> {
+    let mut store = Store::open(db)?;
+    match args.cmd {
+        AdaptersCmd::List => {
+            for a in store.adapters()? {
+                println!(
+                    "{:>5}  {:<9}  parent {:>5}  {}  {}",
+                    a.id,
+                    a.status,
+                    a.parent_id
+                        .map(|p| p.to_string())
+                        .unwrap_or_else(|| "-".into()),
+                    &a.created_at[..19.min(a.created_at.len())],
+                    a.path
+                );
+            }
+        }
+        AdaptersCmd::Show { id } => {
+            println!("{}", serde_json::to_string_pretty(&store.adapter(id)?)?)
+        }
+        AdaptersCmd::Activate { id } => {
+            let rec = store.adapter(id)?;
+            Adapter::load(Path::new(&rec.path))
+                .with_context(|| format!("adapter {id} is not loadable"))?;
+            store.activate_adapter(id)?;
+            println!("adapter {id} is active");
+        }
+        AdaptersCmd::Rollback => match store.rollback_adapter()? {
+            Some(id) => println!("adapter {id} is active again"),
+            None => println!("no adapter is active: the base model samples"),
+        },
+    }
+    Ok(ExitCode::SUCCESS)
+}

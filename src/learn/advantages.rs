@@ -1,0 +1,130 @@
+//! Advantages (ALGORITHMS.md §1, §3): pure functions over plain arrays.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+
+/// `z(x)` inside groups: `(x − mean) / (sqrt(var + 1e-8) + 1e-6)`; a group with one member gets 0.
+/// With `scale = false` (Dr.GRPO) the result is only centred.
+pub fn group_normalize<G: Hash + Eq + Clone>(x: &[f64], groups: &[G], scale: bool) -> Vec<f64> {
+    let mut acc: HashMap<G, (f64, f64, usize)> = HashMap::new();
+    for (v, g) in x.iter().zip(groups) {
+        let e = acc.entry(g.clone()).or_insert((0.0, 0.0, 0));
+        e.0 += v;
+        e.1 += v * v;
+        e.2 += 1;
+    }
+    x.iter()
+        .zip(groups)
+        .map(|(v, g)| {
+            let (s, ss, n) = acc[g];
+            if n < 2 {
+                return 0.0;
+            }
+            let mean = s / n as f64;
+            let var = (ss / n as f64 - mean * mean).max(0.0);
+            if scale {
+                (v - mean) / ((var + 1e-8).sqrt() + 1e-6)
+            } else {
+                v - mean
+            }
+        })
+        .collect()
+}
+
+/// DAPO dynamic sampling: false for members of groups whose rewards are all equal.
+pub fn informative_groups<G: Hash + Eq + Clone>(rewards: &[f64], groups: &[G]) -> Vec<bool> {
+    let mut range: HashMap<G, (f64, f64)> = HashMap::new();
+    for (r, g) in rewards.iter().zip(groups) {
+        let e = range
+            .entry(g.clone())
+            .or_insert((f64::INFINITY, f64::NEG_INFINITY));
+        e.0 = e.0.min(*r);
+        e.1 = e.1.max(*r);
+    }
+    groups.iter().map(|g| range[g].1 > range[g].0).collect()
+}
+
+/// A²TGPO turn-level advantages (§3). `signal[i][t]` is the per-turn process signal of session
+/// `i` (information gain or success contribution) for its assistant turns `t = 0..T_i`;
+/// `r_hat[i]` the normalised outcome. Returns `(Â, îg)` per session and turn:
+/// `îg` is `z(signal)` within the turn group `(g_i, t)`; process turns get
+/// `α · Σ_{k=t}^{T−2} γ^{k−t} îg_k / √(T − 1 − t) + R̂`, the final turn gets `R̂`.
+pub fn a2tgpo<G: Hash + Eq + Clone>(
+    signal: &[Vec<f64>],
+    groups: &[G],
+    r_hat: &[f64],
+    gamma: f64,
+    alpha: f64,
+) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    // turn-group normalisation over (group, turn index)
+    let mut flat = Vec::new();
+    let mut keys = Vec::new();
+    for (i, s) in signal.iter().enumerate() {
+        for (t, v) in s.iter().enumerate() {
+            flat.push(*v);
+            keys.push((groups[i].clone(), t));
+        }
+    }
+    let z = group_normalize(&flat, &keys, true);
+    let mut ig_hat = Vec::with_capacity(signal.len());
+    let mut k = 0;
+    for s in signal {
+        ig_hat.push(z[k..k + s.len()].to_vec());
+        k += s.len();
+    }
+    let adv = ig_hat
+        .iter()
+        .zip(r_hat)
+        .map(|(ig, &r)| {
+            let n = ig.len();
+            (0..n)
+                .map(|t| {
+                    if t + 1 == n {
+                        return r;
+                    }
+                    // process turns: discounted sum over the process turns t..n-2
+                    let d: f64 = (t..n - 1).map(|k| gamma.powi((k - t) as i32) * ig[k]).sum();
+                    alpha * d / ((n - 1 - t) as f64).sqrt() + r
+                })
+                .collect()
+        })
+        .collect();
+    (adv, ig_hat)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpo_and_dr_grpo_by_hand() {
+        // group a: 1, 0 -> mean .5, std .5 -> ±(0.5 / (0.5 + 1e-6 + ~1e-8))
+        let z = group_normalize(&[1.0, 0.0, 3.0], &["a", "a", "b"], true);
+        assert!((z[0] - 0.999_998).abs() < 1e-5 && (z[1] + 0.999_998).abs() < 1e-5);
+        assert_eq!(z[2], 0.0, "a singleton group gets 0");
+        let c = group_normalize(&[1.0, 0.0, 2.0], &["a", "a", "a"], false);
+        assert_eq!(c, vec![0.0, -1.0, 1.0]);
+        assert_eq!(
+            informative_groups(&[1.0, 1.0, 0.0, 1.0], &[1, 1, 2, 2]),
+            vec![false, false, true, true]
+        );
+    }
+
+    #[test]
+    fn a2tgpo_by_hand() {
+        // two sessions of one group, three turns each; signals per turn index
+        let sig = vec![vec![1.0, 2.0, 9.0], vec![0.0, 0.0, 5.0]];
+        let (adv, ig) = a2tgpo(&sig, &["g", "g"], &[0.5, -0.5], 1.0, 1.0);
+        // turn 0: (1, 0) -> ±1; turn 1: (2, 0) -> ±1
+        let one = 1.0 / (1.0 + 1e-6 + 1e-8 / 2.0);
+        assert!((ig[0][0] - 1.0).abs() < 1e-5 && (ig[1][1] + 1.0).abs() < 1e-5);
+        // session 0, t=0: (1 + 1)/sqrt(2) + 0.5; t=1: 1/1 + 0.5; final: 0.5
+        assert!((adv[0][0] - (2.0 * one / 2f64.sqrt() + 0.5)).abs() < 1e-5);
+        assert!((adv[0][1] - (one + 0.5)).abs() < 1e-5);
+        assert_eq!(adv[0][2], 0.5);
+        assert!((adv[1][0] - (-2.0 * one / 2f64.sqrt() - 0.5)).abs() < 1e-5);
+        // gamma discounts later turns
+        let (adv, _) = a2tgpo(&sig, &["g", "g"], &[0.0, 0.0], 0.5, 0.3);
+        assert!((adv[0][0] - 0.3 * (one + 0.5 * one) / 2f64.sqrt()).abs() < 1e-5);
+    }
+}

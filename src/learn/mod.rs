@@ -1,0 +1,14 @@
+//! The learner: from logged sessions to a better adapter.
+//!
+//! - [`advantages`]: GRPO / Dr.GRPO outcome normalisation, DAPO filtering, A²TGPO turn-level
+//!   advantages — pure functions with hand-computed tests;
+//! - [`objective`]: the clipped surrogate (token / sequence / turn ratios; fixed / adaptive /
+//!   advantage-scaled clips; four aggregations; TIS; k3 KL) and the output-LoRA backward,
+//!   checked against finite differences;
+//! - [`update`]: one update over the store (`turnwise train`), presets and diagnostics.
+
+pub mod advantages;
+pub mod objective;
+pub mod update;
+
+pub use update::{run_update, Algo, Selection, TrainConfig, UpdateReport};

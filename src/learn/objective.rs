@@ -1,0 +1,455 @@
+//! The policy objective (ALGORITHMS.md §4–§6, §8) as one kernel with switches, and the
+//! output-LoRA forward/backward that turns per-token gradients into adapter gradients.
+//!
+//! The surrogate works on per-token log-probs and returns the loss and `∂loss/∂logπθ` per token;
+//! [`lora_loss_and_grad`] chains that through `log_softmax(base + s·(H·Aᵀ)·Bᵀ)` to `∂A`, `∂B`.
+//! Sequence and turn ratios use `exp(sg[mean lr] + logπθ − sg[logπθ])`: every token of the group
+//! carries the group ratio, and its gradient is `s · Â` per token.
+
+use ndarray::{Array2, ArrayView2, LinalgScalar, ScalarOperand};
+use num_traits::Float;
+use serde::{Deserialize, Serialize};
+
+/// Which log-ratio a token's clip acts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Granularity {
+    /// PPO/GRPO: `exp(lr_k)` per token
+    Token,
+    /// GSPO: `exp(mean lr)` over the session's assistant tokens
+    Sequence,
+    /// ATPO / A²TGPO: `exp(mean lr)` over the turn's tokens
+    Turn,
+}
+
+/// How the clip region is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum ClipMode {
+    /// `[1 − ε_low, 1 + ε_high]`
+    Fixed,
+    /// A²TGPO: `c = 1 + β(2σ(îg) − 1)` widens informative turns; final turn `c = 1`
+    Adaptive,
+    /// seed variant: `ε / (1 + β|Â|)` tightens large-advantage turns
+    AdvantageScaled,
+}
+
+/// How per-token terms are averaged into the loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Aggregation {
+    /// mean over all tokens of the batch
+    TokenMean,
+    /// mean over sessions of the mean over their tokens (A²TGPO paper)
+    SeqMeanTokenMean,
+    /// mean over turns of the mean over their tokens
+    TurnMean,
+    /// Dr.GRPO: sum over a session's tokens divided by the longest session, mean over sessions
+    SeqMeanTokenSumNorm,
+}
+
+/// Settings of the surrogate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ObjectiveConfig {
+    /// ratio granularity
+    pub granularity: Granularity,
+    /// clip mode
+    pub clip: ClipMode,
+    /// lower clip width
+    pub eps_low: f64,
+    /// upper clip width
+    pub eps_high: f64,
+    /// β of the adaptive / advantage-scaled clip
+    pub clip_beta: f64,
+    /// aggregation
+    pub aggregation: Aggregation,
+    /// truncated importance sampling cap `C` (None: off)
+    pub tis_cap: Option<f64>,
+    /// coefficient of the k3 KL to the base policy (adapter off)
+    pub kl_coef: f64,
+}
+
+/// One batch of assistant tokens, flattened.
+#[derive(Debug, Clone, Default)]
+pub struct TokenBatch {
+    /// session index of each token
+    pub seq: Vec<usize>,
+    /// global turn index of each token (unique across sessions)
+    pub turn: Vec<usize>,
+    /// advantage of each token (its turn's)
+    pub adv: Vec<f64>,
+    /// normalised process signal `îg` of the token's turn (adaptive clip)
+    pub ig_hat: Vec<f64>,
+    /// the token belongs to its session's final turn
+    pub final_turn: Vec<bool>,
+    /// log-prob under the adapter that generated it (recomputed from features)
+    pub logp_old: Vec<f64>,
+    /// log-prob the sampler recorded
+    pub logp_behavior: Vec<f64>,
+    /// log-prob under the base model (adapter off)
+    pub logp_ref: Vec<f64>,
+}
+
+/// What one evaluation of the surrogate measured.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct SurrogateStats {
+    /// policy loss (without KL)
+    pub policy_loss: f64,
+    /// k3 KL to the base policy, aggregated like the loss
+    pub kl_ref: f64,
+    /// share of tokens clipped at the low side
+    pub clip_low_frac: f64,
+    /// share clipped at the high side
+    pub clip_high_frac: f64,
+    /// mean ratio (before truncation)
+    pub ratio_mean: f64,
+    /// largest |ratio − 1|
+    pub ratio_max_dev: f64,
+    /// `mean(−lr)`
+    pub approx_kl: f64,
+    /// mean of the clip scale `c` (adaptive) or ε_high actually used
+    pub clip_scale_mean: f64,
+}
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Aggregation weight of every token.
+pub fn aggregation_weights(b: &TokenBatch, agg: Aggregation) -> Vec<f64> {
+    let n = b.seq.len();
+    let count = |keys: &[usize]| {
+        let mut m = std::collections::HashMap::new();
+        for k in keys {
+            *m.entry(*k).or_insert(0usize) += 1;
+        }
+        m
+    };
+    match agg {
+        Aggregation::TokenMean => vec![1.0 / n.max(1) as f64; n],
+        Aggregation::SeqMeanTokenMean => {
+            let c = count(&b.seq);
+            b.seq
+                .iter()
+                .map(|s| 1.0 / (c.len() * c[s]) as f64)
+                .collect()
+        }
+        Aggregation::TurnMean => {
+            let c = count(&b.turn);
+            b.turn
+                .iter()
+                .map(|t| 1.0 / (c.len() * c[t]) as f64)
+                .collect()
+        }
+        Aggregation::SeqMeanTokenSumNorm => {
+            let c = count(&b.seq);
+            let longest = c.values().copied().max().unwrap_or(1);
+            vec![1.0 / (c.len() * longest) as f64; n]
+        }
+    }
+}
+
+/// The clipped surrogate: returns the loss, `∂loss/∂logπθ` per token, and diagnostics.
+pub fn surrogate(
+    cfg: &ObjectiveConfig,
+    b: &TokenBatch,
+    logp_new: &[f64],
+) -> (f64, Vec<f64>, SurrogateStats) {
+    let n = logp_new.len();
+    let lr: Vec<f64> = logp_new
+        .iter()
+        .zip(&b.logp_old)
+        .map(|(a, o)| a - o)
+        .collect();
+    // group mean of lr for sequence / turn ratios
+    let key = |k: usize| match cfg.granularity {
+        Granularity::Token => k,
+        Granularity::Sequence => b.seq[k],
+        Granularity::Turn => b.turn[k],
+    };
+    let mut sums: std::collections::HashMap<usize, (f64, usize)> = std::collections::HashMap::new();
+    if cfg.granularity != Granularity::Token {
+        for (k, l) in lr.iter().enumerate() {
+            let e = sums.entry(key(k)).or_insert((0.0, 0));
+            e.0 += l;
+            e.1 += 1;
+        }
+    }
+    let w = aggregation_weights(b, cfg.aggregation);
+    let mut grad = vec![0.0; n];
+    let mut st = SurrogateStats::default();
+    let (mut loss, mut kl) = (0.0, 0.0);
+    for k in 0..n {
+        let log_s = match cfg.granularity {
+            Granularity::Token => lr[k],
+            _ => {
+                let (s, c) = sums[&key(k)];
+                s / c as f64
+            }
+        }
+        .min(10.0);
+        let s = log_s.exp();
+        let a = b.adv[k];
+        let (lo, hi, scale) = match cfg.clip {
+            ClipMode::Fixed => (1.0 - cfg.eps_low, 1.0 + cfg.eps_high, 1.0),
+            ClipMode::Adaptive => {
+                let c = if b.final_turn[k] {
+                    1.0
+                } else {
+                    1.0 + cfg.clip_beta * (2.0 * sigmoid(b.ig_hat[k]) - 1.0)
+                };
+                (1.0 - c * cfg.eps_low, 1.0 + c * cfg.eps_high, c)
+            }
+            ClipMode::AdvantageScaled => {
+                let d = 1.0 + cfg.clip_beta * a.abs();
+                (1.0 - cfg.eps_low / d, 1.0 + cfg.eps_high / d, 1.0 / d)
+            }
+        };
+        let clipped = s.clamp(lo, hi);
+        let (un, cl) = (s * a, clipped * a);
+        let active = un <= cl;
+        if !active {
+            if s < lo {
+                st.clip_low_frac += 1.0;
+            } else {
+                st.clip_high_frac += 1.0;
+            }
+        }
+        let tis = cfg
+            .tis_cap
+            .map_or(1.0, |c| (b.logp_old[k] - b.logp_behavior[k]).exp().min(c));
+        loss -= w[k] * tis * un.min(cl);
+        if active {
+            grad[k] -= w[k] * tis * s * a;
+        }
+        if cfg.kl_coef > 0.0 {
+            let d = b.logp_ref[k] - logp_new[k];
+            kl += w[k] * (d.exp() - d - 1.0);
+            grad[k] += cfg.kl_coef * w[k] * (1.0 - d.exp());
+        }
+        st.ratio_mean += s;
+        st.ratio_max_dev = st.ratio_max_dev.max((s - 1.0).abs());
+        st.approx_kl -= lr[k];
+        st.clip_scale_mean += scale;
+    }
+    let nf = n.max(1) as f64;
+    st.policy_loss = loss;
+    st.kl_ref = kl;
+    st.clip_low_frac /= nf;
+    st.clip_high_frac /= nf;
+    st.ratio_mean /= nf;
+    st.approx_kl /= nf;
+    st.clip_scale_mean /= nf;
+    (loss + cfg.kl_coef * kl, grad, st)
+}
+
+/// Forward and backward of the output LoRA for one batch: `base` `[T, V]` base logits, `h`
+/// `[T, d]` features, `tokens` the sampled ids, adapter `a` `[r, d]`, `b` `[V, r]`, `scale` α/r.
+/// `objective` maps the new log-probs to (loss, ∂loss/∂logp). Returns
+/// `(loss, logp_new, ∂A, ∂B)`.
+pub fn lora_loss_and_grad<F: Float + LinalgScalar + ScalarOperand>(
+    base: ArrayView2<'_, F>,
+    h: ArrayView2<'_, F>,
+    tokens: &[usize],
+    a: ArrayView2<'_, F>,
+    b: ArrayView2<'_, F>,
+    scale: F,
+    objective: impl FnOnce(&[F]) -> (F, Vec<F>),
+) -> (F, Vec<F>, Array2<F>, Array2<F>) {
+    let u = h.dot(&a.t()); // [T, r]
+    let mut z = base.to_owned() + &(u.dot(&b.t()) * scale); // [T, V]
+    let mut logp = Vec::with_capacity(tokens.len());
+    for (mut row, &tok) in z.rows_mut().into_iter().zip(tokens) {
+        let m = row.iter().copied().fold(F::neg_infinity(), F::max);
+        let sum = row.iter().fold(F::zero(), |acc, &x| acc + (x - m).exp());
+        let lse = m + sum.ln();
+        logp.push(row[tok] - lse);
+        // keep softmax in place for the backward pass
+        row.mapv_inplace(|x| (x - lse).exp());
+    }
+    let (loss, g) = objective(&logp);
+    // dZ = g · (onehot − softmax)
+    for ((mut row, &tok), &gk) in z.rows_mut().into_iter().zip(tokens).zip(&g) {
+        row.mapv_inplace(|p| -gk * p);
+        row[tok] = row[tok] + gk;
+    }
+    let db = z.t().dot(&u) * scale; // [V, r]
+    let du = z.dot(&b) * scale; // [T, r]
+    let da = du.t().dot(&h); // [r, d]
+    (loss, logp, da, db)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::sampler::Rng;
+
+    fn cfg(g: Granularity, c: ClipMode, agg: Aggregation) -> ObjectiveConfig {
+        ObjectiveConfig {
+            granularity: g,
+            clip: c,
+            eps_low: 0.2,
+            eps_high: 0.28,
+            clip_beta: 0.3,
+            aggregation: agg,
+            tis_cap: Some(2.0),
+            kl_coef: 0.05,
+        }
+    }
+
+    #[test]
+    fn surrogate_by_hand() {
+        // two tokens, token ratios exp(0.1) and exp(-0.5), advantages +1 and -1, token-mean
+        let b = TokenBatch {
+            seq: vec![0, 0],
+            turn: vec![0, 1],
+            adv: vec![1.0, -1.0],
+            ig_hat: vec![0.0, 0.0],
+            final_turn: vec![false, true],
+            logp_old: vec![-1.0, -1.0],
+            logp_behavior: vec![-1.0, -1.0],
+            logp_ref: vec![-0.9, -1.5],
+        };
+        let mut c = cfg(Granularity::Token, ClipMode::Fixed, Aggregation::TokenMean);
+        c.kl_coef = 0.0;
+        let (loss, g, st) = surrogate(&c, &b, &[-0.9, -1.5]);
+        // token 0: s = 1.105 inside [0.8, 1.28] -> obj 1.105; token 1: s = 0.6065 < 0.8, A < 0:
+        // min(-0.6065, -0.8) = -0.8 (clipped, no gradient)
+        let s0 = 0.1f64.exp();
+        assert!((loss - (-(s0 - 0.8) / 2.0)).abs() < 1e-12);
+        assert!((g[0] + s0 / 2.0).abs() < 1e-12 && g[1] == 0.0);
+        assert_eq!(st.clip_low_frac, 0.5);
+        // adaptive: îg = 0 gives c = 1, same result
+        let ca = ObjectiveConfig {
+            clip: ClipMode::Adaptive,
+            ..c.clone()
+        };
+        assert!((surrogate(&ca, &b, &[-0.9, -1.5]).0 - loss).abs() < 1e-12);
+    }
+
+    #[test]
+    fn aggregation_weights_by_hand() {
+        let b = TokenBatch {
+            seq: vec![0, 0, 0, 1],
+            turn: vec![0, 0, 1, 2],
+            ..Default::default()
+        };
+        assert_eq!(
+            aggregation_weights(&b, Aggregation::TokenMean),
+            vec![0.25; 4]
+        );
+        let s = aggregation_weights(&b, Aggregation::SeqMeanTokenMean);
+        assert_eq!(s, vec![1.0 / 6.0, 1.0 / 6.0, 1.0 / 6.0, 0.5]);
+        let t = aggregation_weights(&b, Aggregation::TurnMean);
+        assert_eq!(t, vec![1.0 / 6.0, 1.0 / 6.0, 1.0 / 3.0, 1.0 / 3.0]);
+        assert_eq!(
+            aggregation_weights(&b, Aggregation::SeqMeanTokenSumNorm),
+            vec![1.0 / 6.0; 4]
+        );
+    }
+
+    /// The full step (LoRA forward, log-softmax, surrogate, backward) against central finite
+    /// differences in f64, for every granularity and clip mode.
+    #[test]
+    fn lora_step_gradient_matches_finite_differences() {
+        let (t, v, d, r) = (6, 9, 5, 2);
+        let mut rng = Rng::new(4);
+        let mut rand = |n: usize, s: f64| {
+            (0..n)
+                .map(|_| (rng.next_f64() * 2.0 - 1.0) * s)
+                .collect::<Vec<f64>>()
+        };
+        let base = Array2::from_shape_vec((t, v), rand(t * v, 2.0)).unwrap();
+        let h = Array2::from_shape_vec((t, d), rand(t * d, 1.0)).unwrap();
+        let a = Array2::from_shape_vec((r, d), rand(r * d, 0.5)).unwrap();
+        let b0 = Array2::from_shape_vec((v, r), rand(v * r, 0.3)).unwrap();
+        let tokens = vec![1, 4, 4, 0, 8, 2];
+        // two sessions; turns 0,1 | 2; advantages constant within a session (GSPO-compatible)
+        let seq = vec![0, 0, 0, 0, 1, 1];
+        let turn = vec![0, 0, 1, 1, 2, 2];
+        let adv = vec![0.7, 0.7, 0.7, 0.7, -1.1, -1.1];
+        let ig_hat = vec![0.4, 0.4, 0.0, 0.0, -0.3, -0.3];
+        let final_turn = vec![false, false, true, true, true, true];
+        let scale = 2.0;
+        // old policy: slightly different B so that ratios are not all 1
+        let old_b = &b0 * 0.9;
+        let (_, logp_old, _, _) = lora_loss_and_grad(
+            base.view(),
+            h.view(),
+            &tokens,
+            a.view(),
+            old_b.view(),
+            scale,
+            |lp| (0.0, vec![0.0; lp.len()]),
+        );
+        let batch = TokenBatch {
+            seq,
+            turn,
+            adv,
+            ig_hat,
+            final_turn,
+            logp_old: logp_old.clone(),
+            logp_behavior: logp_old.iter().map(|x| x - 0.05).collect(),
+            logp_ref: logp_old.iter().map(|x| x - 0.2).collect(),
+        };
+        for g in [Granularity::Token, Granularity::Sequence, Granularity::Turn] {
+            for c in [
+                ClipMode::Fixed,
+                ClipMode::Adaptive,
+                ClipMode::AdvantageScaled,
+            ] {
+                for agg in [
+                    Aggregation::TokenMean,
+                    Aggregation::SeqMeanTokenMean,
+                    Aggregation::TurnMean,
+                    Aggregation::SeqMeanTokenSumNorm,
+                ] {
+                    // wide clips keep the finite differences away from the kinks
+                    let conf = ObjectiveConfig {
+                        eps_low: 0.9,
+                        eps_high: 5.0,
+                        ..cfg(g, c, agg)
+                    };
+                    let f = |a: &Array2<f64>, b: &Array2<f64>| {
+                        lora_loss_and_grad(
+                            base.view(),
+                            h.view(),
+                            &tokens,
+                            a.view(),
+                            b.view(),
+                            scale,
+                            |lp| {
+                                let (l, gr, _) = surrogate(&conf, &batch, lp);
+                                (l, gr)
+                            },
+                        )
+                    };
+                    let (_, _, da, db) = f(&a, &b0);
+                    let eps = 1e-6;
+                    for (i, j) in [(0, 0), (1, 3), (0, 4)] {
+                        let (mut ap, mut am) = (a.clone(), a.clone());
+                        ap[[i, j]] += eps;
+                        am[[i, j]] -= eps;
+                        let fd = (f(&ap, &b0).0 - f(&am, &b0).0) / (2.0 * eps);
+                        assert!(
+                            (fd - da[[i, j]]).abs() < 1e-6 * (1.0 + fd.abs()),
+                            "{g:?} {c:?} {agg:?} dA[{i},{j}] fd {fd} vs {}",
+                            da[[i, j]]
+                        );
+                    }
+                    for (i, j) in [(0, 0), (4, 1), (8, 0), (2, 1)] {
+                        let (mut bp, mut bm) = (b0.clone(), b0.clone());
+                        bp[[i, j]] += eps;
+                        bm[[i, j]] -= eps;
+                        let fd = (f(&a, &bp).0 - f(&a, &bm).0) / (2.0 * eps);
+                        assert!(
+                            (fd - db[[i, j]]).abs() < 1e-6 * (1.0 + fd.abs()),
+                            "{g:?} {c:?} {agg:?} dB[{i},{j}] fd {fd} vs {}",
+                            db[[i, j]]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,699 @@
+//! One update, top to bottom: select sessions → load the features stored at sampling time →
+//! old / reference log-probs from those features → advantages → epochs of minibatch steps
+//! (AdamW, gradient-norm clipping) → candidate adapter written atomically → `updates` row.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ndarray::{Array1, Array2, Axis};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::advantages::{a2tgpo, group_normalize, informative_groups};
+use super::objective::{
+    lora_loss_and_grad, surrogate, Aggregation, ClipMode, Granularity, ObjectiveConfig, TokenBatch,
+};
+use crate::adapter::{adapter_dir, Adapter};
+use crate::error::{Error, Result};
+use crate::policy::OutputHead;
+use crate::store::{Source, Store};
+
+/// The algorithm presets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Algo {
+    /// turn ratio, adaptive turn clip, turn-group advantages (default)
+    A2tgpo,
+    /// turn ratio, fixed clip
+    Atpo,
+    /// sequence ratio, fixed clip, outcome advantage
+    Gspo,
+    /// token ratio, clip-higher, outcome advantage
+    Grpo,
+    /// supervised warm start: token cross-entropy on assistant turns
+    Sft,
+}
+
+/// Everything an update needs to know; defaults are the A²TGPO preset.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainConfig {
+    /// preset
+    pub algo: Algo,
+    /// the surrogate's switches
+    pub objective: ObjectiveConfig,
+    /// Dr.GRPO: centre outcomes without dividing by the std
+    pub dr_grpo: bool,
+    /// DAPO: drop groups whose outcomes are all equal
+    pub drop_uninformative: bool,
+    /// A²TGPO α (process-term weight)
+    pub alpha: f64,
+    /// A²TGPO γ
+    pub gamma: f64,
+    /// AdamW learning rate
+    pub lr: f64,
+    /// AdamW weight decay
+    pub weight_decay: f64,
+    /// gradient-norm clip
+    pub max_grad_norm: f64,
+    /// passes over the batch
+    pub epochs: usize,
+    /// tokens per minibatch (sessions are not split)
+    pub minibatch_tokens: usize,
+    /// LoRA rank of a fresh adapter
+    pub rank: usize,
+    /// LoRA alpha of a fresh adapter
+    pub lora_alpha: f32,
+    /// value-head loss coefficient (BCE on the outcome); 0 disables
+    pub value_coef: f64,
+    /// seed of a fresh adapter
+    pub seed: u64,
+    /// SFT: only sessions with at least this outcome
+    pub sft_min_outcome: Option<f64>,
+}
+
+impl TrainConfig {
+    /// The preset of `algo` with the defaults of ALGORITHMS.md.
+    pub fn preset(algo: Algo) -> Self {
+        let (granularity, clip, eps_low, eps_high, aggregation) = match algo {
+            Algo::A2tgpo => (
+                Granularity::Turn,
+                ClipMode::Adaptive,
+                3e-3,
+                4e-3,
+                Aggregation::SeqMeanTokenMean,
+            ),
+            Algo::Atpo => (
+                Granularity::Turn,
+                ClipMode::Fixed,
+                3e-3,
+                4e-3,
+                Aggregation::SeqMeanTokenMean,
+            ),
+            Algo::Gspo => (
+                Granularity::Sequence,
+                ClipMode::Fixed,
+                3e-3,
+                4e-3,
+                Aggregation::SeqMeanTokenMean,
+            ),
+            Algo::Grpo | Algo::Sft => (
+                Granularity::Token,
+                ClipMode::Fixed,
+                0.2,
+                0.28,
+                Aggregation::TokenMean,
+            ),
+        };
+        TrainConfig {
+            algo,
+            objective: ObjectiveConfig {
+                granularity,
+                clip,
+                eps_low,
+                eps_high,
+                clip_beta: 0.3,
+                aggregation,
+                tis_cap: None,
+                kl_coef: 0.0,
+            },
+            dr_grpo: false,
+            drop_uninformative: false,
+            alpha: 1.0,
+            gamma: 1.0,
+            lr: if algo == Algo::Sft { 5e-3 } else { 1e-3 },
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+            epochs: if algo == Algo::Sft { 20 } else { 2 },
+            minibatch_tokens: 512,
+            rank: 8,
+            lora_alpha: 16.0,
+            value_coef: 0.5,
+            seed: 0,
+            sft_min_outcome: None,
+        }
+    }
+}
+
+/// Which sessions an update reads.
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    /// only this source
+    pub source: Option<Source>,
+    /// created at or after (ISO 8601)
+    pub since: Option<String>,
+    /// newest N
+    pub limit: usize,
+}
+
+/// The result of an update.
+#[derive(Debug, Clone, Serialize)]
+pub struct UpdateReport {
+    /// `updates.id`
+    pub update_id: i64,
+    /// the candidate adapter written (None when rejected)
+    pub adapter_id: Option<i64>,
+    /// every diagnostic of ALGORITHMS.md §9 that applies
+    pub diagnostics: serde_json::Value,
+}
+
+struct TurnData {
+    tokens: Vec<usize>,
+    h: Array2<f32>,
+    logp_behavior: Vec<f32>,
+    logp_full: Vec<f32>,
+    adapter_id: Option<i64>,
+}
+
+struct SessionData {
+    id: i64,
+    group: String,
+    outcome: f64,
+    turns: Vec<TurnData>,
+}
+
+/// A minibatch: flattened tokens, their features, and the base logits computed once.
+struct Minibatch {
+    sessions: Vec<usize>,
+    h: Array2<f32>,
+    base: Array2<f32>,
+    tokens: Vec<usize>,
+    batch: TokenBatch,
+    /// index in `h` of each turn's first token (its state) and the session's outcome in [0, 1]
+    states: Vec<(usize, f64)>,
+}
+
+struct AdamW {
+    m: Vec<Array2<f32>>,
+    v: Vec<Array2<f32>>,
+    t: i32,
+}
+
+impl AdamW {
+    fn new(shapes: &[(usize, usize)]) -> Self {
+        AdamW {
+            m: shapes.iter().map(|&s| Array2::zeros(s)).collect(),
+            v: shapes.iter().map(|&s| Array2::zeros(s)).collect(),
+            t: 0,
+        }
+    }
+    fn step(&mut self, params: &mut [&mut Array2<f32>], grads: &[Array2<f32>], lr: f64, wd: f64) {
+        self.t += 1;
+        let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-8f32);
+        let c1 = 1.0 - b1.powi(self.t);
+        let c2 = 1.0 - b2.powi(self.t);
+        for (i, (p, g)) in params.iter_mut().zip(grads).enumerate() {
+            let (m, v) = (&mut self.m[i], &mut self.v[i]);
+            ndarray::Zip::from(&mut **p)
+                .and(m)
+                .and(v)
+                .and(g)
+                .for_each(|p, m, v, &g| {
+                    *m = b1 * *m + (1.0 - b1) * g;
+                    *v = b2 * *v + (1.0 - b2) * g * g;
+                    *p -= lr as f32 * ((*m / c1) / ((*v / c2).sqrt() + eps) + wd as f32 * *p);
+                });
+        }
+    }
+}
+
+fn load_sessions(
+    store: &Store,
+    sel: &Selection,
+    require_outcome: bool,
+    min_outcome: Option<f64>,
+) -> Result<Vec<SessionData>> {
+    let mut out = Vec::new();
+    for s in store.training_sessions(
+        sel.source,
+        sel.since.as_deref(),
+        require_outcome,
+        sel.limit.max(1),
+    )? {
+        let outcome = s.outcome_reward.unwrap_or(0.0);
+        if min_outcome.is_some_and(|m| outcome < m) {
+            continue;
+        }
+        let mut turns = Vec::new();
+        for t in store
+            .turns(s.id)?
+            .into_iter()
+            .filter(|t| t.role == crate::Role::Assistant)
+        {
+            let (Some(lp), Some(f)) = (store.token_logprobs(t.id)?, store.features(t.id)?) else {
+                continue; // features dropped by gc, or never captured
+            };
+            let n = t.token_ids.len();
+            let h = Array2::from_shape_vec((n, f.n_embd), f.values)
+                .map_err(|e| Error::Corrupt(e.to_string()))?;
+            turns.push(TurnData {
+                tokens: t.token_ids.iter().map(|&x| x as usize).collect(),
+                h,
+                logp_behavior: lp.logp_behavior,
+                logp_full: lp.logp_full,
+                adapter_id: t.adapter_id,
+            });
+        }
+        if !turns.is_empty() {
+            out.push(SessionData {
+                id: s.id,
+                group: s.group_key.clone().unwrap_or_else(|| "batch".into()),
+                outcome,
+                turns,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Log-probs of `tokens` under `adapter` (None: base) from base logits and features.
+fn logprobs(
+    base: &Array2<f32>,
+    h: &Array2<f32>,
+    tokens: &[usize],
+    adapter: Option<&Adapter>,
+) -> Vec<f64> {
+    let (a, b, s) = match adapter {
+        Some(ad) => (ad.a.view(), ad.b.view(), ad.scale()),
+        None => return log_softmax_at(base, tokens),
+    };
+    let (_, lp, _, _) = lora_loss_and_grad(base.view(), h.view(), tokens, a, b, s, |lp| {
+        (0.0, vec![0.0; lp.len()])
+    });
+    lp.into_iter().map(f64::from).collect()
+}
+
+fn log_softmax_at(z: &Array2<f32>, tokens: &[usize]) -> Vec<f64> {
+    z.rows()
+        .into_iter()
+        .zip(tokens)
+        .map(|(row, &t)| {
+            let row = row.to_vec();
+            row[t] as f64 - crate::policy::sampler::logsumexp(&row)
+        })
+        .collect()
+}
+
+/// Runs one update over the selected sessions, starting from `parent` (the active adapter, or a
+/// fresh one), and writes a candidate adapter next to the database.
+///
+/// # Errors
+/// [`Error::Invalid`] when nothing can be learned from the selection or the update is not
+/// finite (then an `updates` row with status `rejected` records why, and no adapter is
+/// written); store and I/O errors.
+pub fn run_update(
+    store: &mut Store,
+    db_path: &Path,
+    head: &OutputHead,
+    parent: Option<(i64, Arc<Adapter>)>,
+    cfg: &TrainConfig,
+    sel: &Selection,
+    mut progress: impl FnMut(&str, usize, usize),
+) -> Result<UpdateReport> {
+    let t_start = Instant::now();
+    let sft = cfg.algo == Algo::Sft;
+    progress("loading sessions", 0, 1);
+    let sessions = load_sessions(
+        store,
+        sel,
+        !sft,
+        if sft { cfg.sft_min_outcome } else { None },
+    )?;
+    if sessions.is_empty() {
+        return Err(Error::Invalid(
+            "no finished sessions with features (and an outcome, for RL) match the selection"
+                .into(),
+        ));
+    }
+    // ---- advantages (outcome, then per turn) -------------------------------------------------
+    let rewards: Vec<f64> = sessions.iter().map(|s| s.outcome).collect();
+    let groups: Vec<String> = sessions.iter().map(|s| s.group.clone()).collect();
+    let keep = if cfg.drop_uninformative && !sft {
+        informative_groups(&rewards, &groups)
+    } else {
+        vec![true; sessions.len()]
+    };
+    let r_hat = group_normalize(&rewards, &groups, !cfg.dr_grpo);
+    // no per-turn process signal yet (step-level credit is a later stage): zero, so process
+    // turns get R̂ and the adaptive clip scale is 1
+    let signal: Vec<Vec<f64>> = sessions.iter().map(|s| vec![0.0; s.turns.len()]).collect();
+    let (turn_adv, ig_hat) = a2tgpo(&signal, &groups, &r_hat, cfg.gamma, cfg.alpha);
+    let (rmin, rmax) = rewards
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &r| {
+            (a.min(r), b.max(r))
+        });
+    let success = |r: f64| {
+        if (0.0..=1.0).contains(&rmin) && rmax <= 1.0 {
+            r
+        } else if rmax > rmin {
+            (r - rmin) / (rmax - rmin)
+        } else {
+            0.5
+        }
+    };
+
+    // ---- adapters: the one being trained, and those that generated the turns -------------------
+    let n_embd = head.n_embd();
+    let mut current = parent
+        .as_ref()
+        .map(|(_, a)| (**a).clone())
+        .unwrap_or_else(|| {
+            Adapter::fresh(
+                n_embd,
+                head.n_vocab(),
+                cfg.rank,
+                cfg.lora_alpha,
+                cfg.seed,
+                "",
+            )
+        });
+    let mut generators: HashMap<i64, Adapter> = HashMap::new();
+    for s in &sessions {
+        for t in &s.turns {
+            if let Some(id) = t.adapter_id.filter(|id| !generators.contains_key(id)) {
+                let rec = store.adapter(id)?;
+                generators.insert(id, Adapter::load(Path::new(&rec.path))?);
+            }
+        }
+    }
+
+    // ---- minibatches with base logits, old / reference log-probs -------------------------------
+    let mut order: Vec<usize> = (0..sessions.len()).filter(|&i| keep[i]).collect();
+    if order.is_empty() {
+        return Err(Error::Invalid(
+            "every group has equal outcomes: nothing to learn (DAPO filter)".into(),
+        ));
+    }
+    let mut minibatches: Vec<Minibatch> = Vec::new();
+    let total_tokens: usize = order
+        .iter()
+        .map(|&i| {
+            sessions[i]
+                .turns
+                .iter()
+                .map(|t| t.tokens.len())
+                .sum::<usize>()
+        })
+        .sum();
+    let (mut gap_full, mut gap_behavior, mut n_gap) = (0f64, (0f64, 0f64), 0usize);
+    let mut max_gap_full = 0f64;
+    let mut turn_counter = 0usize;
+    while !order.is_empty() {
+        let mut take = Vec::new();
+        let mut n = 0;
+        while let Some(&i) = order.first() {
+            let len: usize = sessions[i].turns.iter().map(|t| t.tokens.len()).sum();
+            if !take.is_empty() && n + len > cfg.minibatch_tokens {
+                break;
+            }
+            take.push(order.remove(0));
+            n += len;
+        }
+        let mut rows = Vec::with_capacity(n * n_embd);
+        let mut mb = Minibatch {
+            sessions: take.clone(),
+            h: Array2::zeros((0, n_embd)),
+            base: Array2::zeros((0, 0)),
+            tokens: Vec::with_capacity(n),
+            batch: TokenBatch::default(),
+            states: Vec::new(),
+        };
+        let mut gens = Vec::new();
+        for (si, &i) in take.iter().enumerate() {
+            let s = &sessions[i];
+            for (t, turn) in s.turns.iter().enumerate() {
+                mb.states.push((mb.tokens.len(), success(s.outcome)));
+                for k in 0..turn.tokens.len() {
+                    mb.batch.seq.push(si);
+                    mb.batch.turn.push(turn_counter);
+                    mb.batch.adv.push(if sft { 1.0 } else { turn_adv[i][t] });
+                    mb.batch.ig_hat.push(ig_hat[i][t]);
+                    mb.batch.final_turn.push(t + 1 == s.turns.len());
+                    mb.batch.logp_behavior.push(turn.logp_behavior[k] as f64);
+                }
+                turn_counter += 1;
+                mb.tokens.extend_from_slice(&turn.tokens);
+                rows.extend(turn.h.iter().copied());
+                gens.push((turn.adapter_id, turn.tokens.len(), turn.logp_full.clone()));
+            }
+        }
+        mb.h = Array2::from_shape_vec((mb.tokens.len(), n_embd), rows)
+            .map_err(|e| Error::Corrupt(e.to_string()))?;
+        mb.base = head.base_logits(mb.h.view())?;
+        mb.batch.logp_ref = log_softmax_at(&mb.base, &mb.tokens);
+        // logp_old per turn under the adapter that generated it
+        let mut off = 0;
+        for (gen, len, full) in gens {
+            let sl = off..off + len;
+            let base = mb.base.slice(ndarray::s![sl.clone(), ..]).to_owned();
+            let h = mb.h.slice(ndarray::s![sl.clone(), ..]).to_owned();
+            let old = logprobs(
+                &base,
+                &h,
+                &mb.tokens[sl.clone()],
+                gen.and_then(|g| generators.get(&g)),
+            );
+            for (k, o) in old.iter().enumerate() {
+                let d = (o - full[k] as f64).abs();
+                gap_full += d;
+                max_gap_full = max_gap_full.max(d);
+                let db = (o - mb.batch.logp_behavior[off + k]).abs();
+                gap_behavior.0 += db;
+                gap_behavior.1 = gap_behavior.1.max(db);
+                n_gap += 1;
+            }
+            mb.batch.logp_old.extend(old);
+            off += len;
+        }
+        minibatches.push(mb);
+        progress(
+            "scoring features",
+            minibatches.len(),
+            minibatches.len() + order.len().min(1),
+        );
+    }
+
+    // ---- epochs of AdamW steps ----------------------------------------------------------------
+    let mut opt = AdamW::new(&[current.a.dim(), current.b.dim()]);
+    let mut vopt = AdamW::new(&[(1, n_embd + 1)]);
+    let steps = cfg.epochs * minibatches.len();
+    let mut step = 0;
+    let (mut first_ratio_dev, mut last_stats, mut grad_norm_last, mut value_loss_last) =
+        (None, None, 0f64, 0f64);
+    let mut loss_last = 0f64;
+    for _epoch in 0..cfg.epochs {
+        for mb in &minibatches {
+            let scale = current.scale();
+            let mut stats = None;
+            let (loss, logp_new, da, db) = lora_loss_and_grad(
+                mb.base.view(),
+                mb.h.view(),
+                &mb.tokens,
+                current.a.view(),
+                current.b.view(),
+                scale,
+                |lp: &[f32]| {
+                    let lp64: Vec<f64> = lp.iter().map(|&x| x as f64).collect();
+                    if sft {
+                        let w = super::objective::aggregation_weights(
+                            &mb.batch,
+                            Aggregation::TokenMean,
+                        );
+                        let loss = -lp64.iter().zip(&w).map(|(l, w)| l * w).sum::<f64>();
+                        return (loss as f32, w.iter().map(|w| -*w as f32).collect());
+                    }
+                    let (loss, g, st) = surrogate(&cfg.objective, &mb.batch, &lp64);
+                    stats = Some(st);
+                    (loss as f32, g.into_iter().map(|x| x as f32).collect())
+                },
+            );
+            if first_ratio_dev.is_none() && !sft {
+                let dev = logp_new
+                    .iter()
+                    .zip(&mb.batch.logp_old)
+                    .map(|(n, o)| ((*n as f64 - o).exp() - 1.0).abs())
+                    .fold(0.0, f64::max);
+                first_ratio_dev = Some(dev);
+            }
+            // value head: BCE of σ(w·h + b) on each turn's state against the session's success
+            let (mut gw, mut vloss) = (Array1::<f32>::zeros(n_embd + 1), 0f64);
+            if cfg.value_coef > 0.0 && !mb.states.is_empty() {
+                for &(row, y) in &mb.states {
+                    let h = mb.h.row(row);
+                    let p = current.value(h.as_slice().unwrap_or(&h.to_vec())) as f64;
+                    vloss -= y * p.max(1e-7).ln() + (1.0 - y) * (1.0 - p).max(1e-7).ln();
+                    let d = ((p - y) * cfg.value_coef / mb.states.len() as f64) as f32;
+                    for (g, x) in gw.iter_mut().zip(h.iter()) {
+                        *g += d * x;
+                    }
+                    gw[n_embd] += d;
+                }
+                vloss /= mb.states.len() as f64;
+            }
+            let norm = (da
+                .iter()
+                .chain(db.iter())
+                .map(|x| (*x as f64).powi(2))
+                .sum::<f64>())
+            .sqrt();
+            if !loss.is_finite() || !norm.is_finite() || !vloss.is_finite() {
+                let diag = json!({"rejected": "non-finite loss or gradient", "step": step, "loss": loss.to_string(), "grad_norm": norm.to_string()});
+                let id = store.record_update(
+                    None,
+                    &format!("{:?}", cfg.algo).to_lowercase(),
+                    &serde_json::to_value(cfg)?,
+                    &diag,
+                    "rejected",
+                )?;
+                return Err(Error::Invalid(format!("update {id} rejected: non-finite loss or gradient at step {step}; the active adapter is unchanged")));
+            }
+            let clip = if norm > cfg.max_grad_norm {
+                (cfg.max_grad_norm / norm) as f32
+            } else {
+                1.0
+            };
+            let (da, db) = (da * clip, db * clip);
+            opt.step(
+                &mut [&mut current.a, &mut current.b],
+                &[da, db],
+                cfg.lr,
+                cfg.weight_decay,
+            );
+            if cfg.value_coef > 0.0 {
+                let mut vp = Array2::from_shape_fn((1, n_embd + 1), |(_, j)| {
+                    if j < n_embd {
+                        current.value_w[j]
+                    } else {
+                        current.value_b
+                    }
+                });
+                vopt.step(&mut [&mut vp], &[gw.insert_axis(Axis(0))], cfg.lr, 0.0);
+                for j in 0..n_embd {
+                    current.value_w[j] = vp[[0, j]];
+                }
+                current.value_b = vp[[0, n_embd]];
+            }
+            grad_norm_last = norm;
+            value_loss_last = vloss;
+            loss_last = loss as f64;
+            if stats.is_some() {
+                last_stats = stats;
+            }
+            step += 1;
+            progress("training", step, steps);
+        }
+    }
+    if !current.is_finite() {
+        return Err(Error::Invalid(
+            "the updated adapter is not finite; rejected".into(),
+        ));
+    }
+
+    // ---- diagnostics after the update ----------------------------------------------------------
+    let (mut ent_sum, mut ent_n) = (0f64, 0usize);
+    let (mut ev_num, mut ev_den, mut ys) = (0f64, 0f64, Vec::new());
+    for mb in &minibatches {
+        let new = logprobs(&mb.base, &mb.h, &mb.tokens, Some(&current));
+        // turn entropy: per session, softmax over per-turn shares of the session's Σ lr
+        let mut per_seq: HashMap<usize, HashMap<usize, f64>> = HashMap::new();
+        for (k, (n, o)) in new.iter().zip(&mb.batch.logp_old).enumerate() {
+            *per_seq
+                .entry(mb.batch.seq[k])
+                .or_default()
+                .entry(mb.batch.turn[k])
+                .or_default() += n - o;
+        }
+        for turns in per_seq.values() {
+            if turns.len() < 2 {
+                ent_n += 1;
+                continue;
+            }
+            let total: f64 = turns.values().sum();
+            let rel: Vec<f64> = turns
+                .values()
+                .map(|v| if total.abs() > 1e-12 { v / total } else { 0.0 })
+                .collect();
+            let m = rel.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = rel.iter().map(|r| (r - m).exp()).sum();
+            let h: f64 = rel
+                .iter()
+                .map(|r| {
+                    let p = (r - m).exp() / z;
+                    -p * p.ln()
+                })
+                .sum();
+            ent_sum += h / (turns.len() as f64).ln();
+            ent_n += 1;
+        }
+        for &(row, y) in &mb.states {
+            let h = mb.h.row(row).to_vec();
+            ys.push((y, current.value(&h) as f64));
+        }
+    }
+    let ymean = ys.iter().map(|p| p.0).sum::<f64>() / ys.len().max(1) as f64;
+    for (y, p) in &ys {
+        ev_num += (y - p).powi(2);
+        ev_den += (y - ymean).powi(2);
+    }
+    let secs = t_start.elapsed().as_secs_f64();
+    let st = last_stats.unwrap_or_default();
+    let diagnostics = json!({
+        "sessions": minibatches.iter().map(|m| m.sessions.len()).sum::<usize>(),
+        "tokens": total_tokens,
+        "steps": steps,
+        "loss": loss_last,
+        "policy_loss": st.policy_loss,
+        "value_loss": value_loss_last,
+        "approx_kl": st.approx_kl,
+        "kl_ref_k3": st.kl_ref,
+        "clip_frac_low": st.clip_low_frac,
+        "clip_frac_high": st.clip_high_frac,
+        "clip_scale_mean": st.clip_scale_mean,
+        "ratio_mean": st.ratio_mean,
+        "ratio_max_dev": st.ratio_max_dev,
+        "first_ratio_max_dev": first_ratio_dev,
+        "explained_variance": if ev_den > 0.0 { 1.0 - ev_num / ev_den } else { 0.0 },
+        "grad_norm": grad_norm_last,
+        "lr": cfg.lr,
+        "tokens_per_s": (total_tokens * cfg.epochs) as f64 / secs,
+        "logp_old_vs_full_mean": gap_full / n_gap.max(1) as f64,
+        "logp_old_vs_full_max": max_gap_full,
+        "logp_old_vs_behavior_mean": gap_behavior.0 / n_gap.max(1) as f64,
+        "logp_old_vs_behavior_max": gap_behavior.1,
+        "turn_entropy": ent_sum / ent_n.max(1) as f64,
+        "grouping": if groups.iter().all(|g| g == "batch") { "batch" } else { "group_key" },
+        "seconds": secs,
+    });
+
+    // ---- write the candidate atomically, then register it -------------------------------------
+    progress("writing adapter", 0, 1);
+    let parent_id = parent.as_ref().map(|(id, _)| *id);
+    let id = store.register_adapter(parent_id, |id| {
+        adapter_dir(db_path, id).to_string_lossy().into_owned()
+    })?;
+    let dir = adapter_dir(db_path, id);
+    if let Err(e) = current.save(&dir) {
+        store.set_adapter_status(id, "rejected", Some(&json!({"error": e.to_string()})))?;
+        return Err(e);
+    }
+    store.set_adapter_status(id, "candidate", Some(&diagnostics))?;
+    let update_id = store.record_update(
+        Some(id),
+        &format!("{:?}", cfg.algo).to_lowercase(),
+        &serde_json::to_value(cfg)?,
+        &diagnostics,
+        "ok",
+    )?;
+    let learned: Vec<i64> = minibatches
+        .iter()
+        .flat_map(|m| m.sessions.iter().map(|&i| sessions[i].id))
+        .collect();
+    store.mark_learned(&learned)?;
+    Ok(UpdateReport {
+        update_id,
+        adapter_id: Some(id),
+        diagnostics,
+    })
+}

@@ -1,0 +1,354 @@
+//! The learner on the real model: on-policy consistency with a non-zero adapter, the supervised
+//! warm start, and an RL update that moves probability towards rewarded behaviour.
+
+use std::sync::Arc;
+
+use ndarray::Array2;
+use turnwise::adapter::{adapter_dir, Adapter};
+use turnwise::learn::{run_update, Algo, Selection, TrainConfig};
+use turnwise::policy::sampler::{self, Rng};
+use turnwise::session::turns_from_generation;
+use turnwise::store::{NewSession, Source, Store};
+use turnwise::{Engine, EngineConfig, Message, Role, SamplerParams};
+
+use crate::common::{head, model_path, tempdir};
+
+fn private_engine() -> Engine {
+    Engine::start(EngineConfig::new(model_path())).expect("engine")
+}
+
+/// Rolls out `n` replies to `prompt` and logs each as a finished session with `reward(text)`.
+fn rollouts(
+    engine: &Engine,
+    store: &mut Store,
+    group: &str,
+    prompt: &str,
+    n: usize,
+    seed0: u64,
+    reward: impl Fn(&str) -> f64,
+) -> Vec<(i64, f64)> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let mut s = NewSession::new(Source::Demo);
+        s.group_key = Some(group.into());
+        let sid = store.create_session(&s).unwrap();
+        let p = SamplerParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_tokens: 12,
+            seed: seed0 + i as u64,
+            ..Default::default()
+        };
+        let g = engine
+            .generate(
+                sid as u64,
+                vec![Message::new(Role::User, prompt)],
+                p.clone(),
+                None,
+            )
+            .unwrap();
+        engine.close(sid as u64);
+        store
+            .append_turns(sid, &turns_from_generation(&g, &p, engine.info()))
+            .unwrap();
+        let r = reward(&g.reply.text);
+        store
+            .add_feedback(sid, None, "outcome", Some(r), None)
+            .unwrap();
+        store.end_session(sid).unwrap();
+        out.push((sid, r));
+    }
+    out
+}
+
+#[test]
+fn a_trained_adapter_is_reproduced_from_stored_features() {
+    let dir = tempdir();
+    let db = dir.path().join("l.db");
+    let mut store = Store::open(&db).unwrap();
+    let h = head();
+    // a non-zero adapter: random B
+    let mut ad = Adapter::fresh(h.n_embd(), h.n_vocab(), 8, 16.0, 5, "test");
+    let mut rng = Rng::new(9);
+    ad.b.mapv_inplace(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.05) as f32);
+    let id = store
+        .register_adapter(None, |id| {
+            adapter_dir(&db, id).to_string_lossy().into_owned()
+        })
+        .unwrap();
+    ad.save(&adapter_dir(&db, id)).unwrap();
+    store.set_adapter_status(id, "candidate", None).unwrap();
+    store.activate_adapter(id).unwrap();
+    let engine = private_engine();
+    engine
+        .set_adapter(Some((id, Arc::new(ad.clone()))))
+        .unwrap();
+
+    let p = SamplerParams {
+        seed: 3,
+        max_tokens: 24,
+        ..Default::default()
+    };
+    let mut gaps = Vec::new();
+    for seed in 0..3 {
+        let sid = store
+            .create_session(&NewSession::new(Source::Chat))
+            .unwrap();
+        let p = SamplerParams { seed, ..p.clone() };
+        let g = engine
+            .generate(
+                sid as u64,
+                vec![Message::new(Role::User, "Where is my order 77120?")],
+                p.clone(),
+                None,
+            )
+            .unwrap();
+        assert_eq!(g.reply.adapter_id, Some(id));
+        let ids = store
+            .append_turns(sid, &turns_from_generation(&g, &p, engine.info()))
+            .unwrap();
+        store
+            .add_feedback(sid, None, "outcome", Some(seed as f64 / 2.0), None)
+            .unwrap();
+        store.end_session(sid).unwrap();
+        // recompute the sampler's own distribution from the stored features
+        let t = *ids.last().unwrap();
+        let f = store.features(t).unwrap().unwrap();
+        let lp = store.token_logprobs(t).unwrap().unwrap();
+        let hs = Array2::from_shape_vec((f.values.len() / f.n_embd, f.n_embd), f.values).unwrap();
+        let base = h.base_logits(hs.view()).unwrap();
+        for (i, tok) in g.reply.tokens.iter().enumerate() {
+            let mut row = base.row(i).to_vec();
+            ad.apply(hs.row(i).as_slice().unwrap(), &mut row);
+            let b = sampler::behavior_logprob(&row, &p, *tok).unwrap();
+            gaps.push((b - lp.logp_behavior[i] as f64).abs());
+        }
+    }
+    let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+    let max = gaps.iter().cloned().fold(0.0, f64::max);
+    eprintln!(
+        "on-policy gap with a non-zero adapter over {} tokens: mean {mean:.2e} max {max:.2e}",
+        gaps.len()
+    );
+    assert!(mean < 1e-3 && max < 1e-2, "mean {mean} max {max}");
+
+    // the learner sees the same numbers: logp_old (recomputed with the generating adapter) vs the
+    // sampler's full-softmax log-probs, and the first ratio of the update is exactly 1
+    let parent = Some((id, Arc::new(ad)));
+    let mut cfg = TrainConfig::preset(Algo::A2tgpo);
+    cfg.epochs = 1;
+    let r = run_update(
+        &mut store,
+        &db,
+        h,
+        parent,
+        &cfg,
+        &Selection {
+            limit: 100,
+            ..Default::default()
+        },
+        |_, _, _| {},
+    )
+    .unwrap();
+    let d = &r.diagnostics;
+    eprintln!("update diagnostics: {d}");
+    assert!(d["logp_old_vs_full_mean"].as_f64().unwrap() < 1e-3, "{d}");
+    assert!(d["first_ratio_max_dev"].as_f64().unwrap() < 1e-6, "{d}");
+    assert_eq!(
+        store.adapter(r.adapter_id.unwrap()).unwrap().status,
+        "candidate"
+    );
+}
+
+#[test]
+fn supervised_warm_start_teaches_a_reply_format() {
+    let dir = tempdir();
+    let db = dir.path().join("sft.db");
+    let mut store = Store::open(&db).unwrap();
+    let engine = private_engine();
+    let phrasings = [
+        "Please refund order {}.",
+        "I want my money back for order {}.",
+        "Refund {} please, it arrived broken.",
+        "Can you refund my order number {}?",
+        "Order {} was wrong. Refund it.",
+        "Hi, I'd like a refund for {}.",
+    ];
+    let held_out = [
+        "Could I get a refund on order {}?",
+        "My order {} is damaged, refund please.",
+    ];
+    let mut rng = Rng::new(1);
+    let mut id = || 10000 + (rng.next_u64() % 90000);
+    let mut lines = String::new();
+    for i in 0..48 {
+        let oid = id();
+        let msg = phrasings[i % phrasings.len()].replace("{}", &oid.to_string());
+        lines.push_str(
+            &serde_json::json!({"messages": [
+            {"role": "system", "content": "Reply with one action line."},
+            {"role": "user", "content": msg},
+            {"role": "assistant", "content": format!("ACTION refund {oid}")}], "outcome": 1})
+            .to_string(),
+        );
+        lines.push('\n');
+    }
+    let sum =
+        turnwise::replay::import_jsonl(&engine, &mut store, lines.as_bytes(), |_, _| {}).unwrap();
+    assert_eq!(sum.imported, 48, "{:?}", sum.skipped);
+
+    let eval = |adapter: Option<(i64, Arc<Adapter>)>| {
+        engine.set_adapter(adapter).unwrap();
+        let mut hits = 0;
+        let mut rng = Rng::new(77);
+        for i in 0..20 {
+            let oid = 10000 + (rng.next_u64() % 90000);
+            let msg = held_out[i % 2].replace("{}", &oid.to_string());
+            let k = 5_000_000 + i as u64;
+            let g = engine
+                .generate(
+                    k,
+                    vec![
+                        Message::new(Role::System, "Reply with one action line."),
+                        Message::new(Role::User, msg),
+                    ],
+                    SamplerParams {
+                        temperature: 0.0,
+                        max_tokens: 12,
+                        ..Default::default()
+                    },
+                    None,
+                )
+                .unwrap();
+            engine.close(k);
+            hits += usize::from(g.reply.text.trim() == format!("ACTION refund {oid}"));
+        }
+        hits
+    };
+    let before = eval(None);
+    let mut cfg = TrainConfig::preset(Algo::Sft);
+    cfg.epochs = 40;
+    let r = run_update(
+        &mut store,
+        &db,
+        head(),
+        None,
+        &cfg,
+        &Selection {
+            limit: 100,
+            ..Default::default()
+        },
+        |_, _, _| {},
+    )
+    .unwrap();
+    let id = r.adapter_id.unwrap();
+    let ad = Adapter::load(&adapter_dir(&db, id)).unwrap();
+    let after = eval(Some((id, Arc::new(ad))));
+    eprintln!(
+        "held-out greedy exact match: base {before}/20, after SFT {after}/20; diagnostics {}",
+        r.diagnostics
+    );
+    assert_eq!(before, 0);
+    assert!(after >= 18, "after SFT {after}/20");
+}
+
+/// Mean change of the log-prob of logged replies (teacher-forced from features) under the new
+/// adapter, for rewarded and unrewarded replies.
+fn shift(store: &Store, adapter: &Adapter, sessions: &[(i64, f64)]) -> (f64, f64) {
+    let h = head();
+    let (mut good, mut bad) = (Vec::new(), Vec::new());
+    for &(sid, r) in sessions {
+        let t = store
+            .turns(sid)
+            .unwrap()
+            .into_iter()
+            .find(|t| t.role == Role::Assistant)
+            .unwrap();
+        let f = store.features(t.id).unwrap().unwrap();
+        let lp = store.token_logprobs(t.id).unwrap().unwrap();
+        let hs = Array2::from_shape_vec((t.token_ids.len(), f.n_embd), f.values).unwrap();
+        let base = h.base_logits(hs.view()).unwrap();
+        let mut delta = 0.0;
+        for (i, &tok) in t.token_ids.iter().enumerate() {
+            let mut row = base.row(i).to_vec();
+            adapter.apply(hs.row(i).as_slice().unwrap(), &mut row);
+            delta += row[tok as usize] as f64 - sampler::logsumexp(&row) - lp.logp_full[i] as f64;
+        }
+        if r > 0.5 {
+            good.push(delta)
+        } else {
+            bad.push(delta)
+        }
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    assert!(
+        !good.is_empty() && !bad.is_empty(),
+        "both behaviours must occur"
+    );
+    (mean(&good), mean(&bad))
+}
+
+#[test]
+fn rl_updates_raise_the_rewarded_behaviour_and_a_flipped_sign_lowers_it() {
+    let dir = tempdir();
+    let engine = private_engine();
+    let reward = |t: &str| f64::from(t.to_lowercase().contains("help"));
+    let prompts = [
+        "Hi there!",
+        "Hello, I have a question.",
+        "Good morning.",
+        "Hey, are you there?",
+    ];
+    let mut results = Vec::new();
+    for flipped in [false, true] {
+        let db = dir.path().join(format!("rl{flipped}.db"));
+        let mut store = Store::open(&db).unwrap();
+        let mut sessions = Vec::new();
+        for (g, p) in prompts.iter().enumerate() {
+            let rew = |t: &str| if flipped { 1.0 - reward(t) } else { reward(t) };
+            sessions.extend(rollouts(
+                &engine,
+                &mut store,
+                &format!("p{g}"),
+                p,
+                8,
+                100 * g as u64,
+                rew,
+            ));
+        }
+        let mut cfg = TrainConfig::preset(Algo::Grpo);
+        cfg.lr = 3e-3;
+        cfg.epochs = 4;
+        let r = run_update(
+            &mut store,
+            &db,
+            head(),
+            None,
+            &cfg,
+            &Selection {
+                limit: 100,
+                ..Default::default()
+            },
+            |_, _, _| {},
+        )
+        .unwrap();
+        let ad = Adapter::load(&adapter_dir(&db, r.adapter_id.unwrap())).unwrap();
+        // judged by the true reward, whatever the training signal was
+        let truth: Vec<(i64, f64)> = sessions
+            .iter()
+            .map(|&(s, r)| (s, if flipped { 1.0 - r } else { r }))
+            .collect();
+        let (good, bad) = shift(&store, &ad, &truth);
+        eprintln!("flipped={flipped}: mean Δlogp rewarded {good:.3}, unrewarded {bad:.3}");
+        results.push(good - bad);
+    }
+    assert!(
+        results[0] > 0.0,
+        "the update must favour rewarded replies: {results:?}"
+    );
+    assert!(
+        results[1] < 0.0,
+        "with the advantage sign flipped the same measure goes the other way: {results:?}"
+    );
+}
