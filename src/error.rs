@@ -81,6 +81,10 @@ pub enum Error {
     #[error("unknown session {0}")]
     UnknownSession(u64),
 
+    /// ONNX Runtime could not be loaded or refused a graph.
+    #[error("onnx runtime: {0}")]
+    Ort(String),
+
     // ---- store --------------------------------------------------------------------------
     /// SQLite reported an error.
     #[error("database: {0}")]

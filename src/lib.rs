@@ -8,6 +8,7 @@
 //! - [`adapter`]: the output-projection LoRA and value head, PEFT safetensors, applied at sampling.
 //! - [`store`]: the SQLite turn log (sessions, turns, tokens, features, feedback, annotations,
 //!   adapters), migrations applied on open.
+//! - [`graph`]: ONNX graphs built and differentiated in Rust, run by ONNX Runtime (CPU / CUDA).
 //! - [`learn`]: advantages, the clipped surrogate and the update that trains the adapter.
 //! - [`session`]: glue that turns an engine generation into store rows.
 //! - [`replay`]: import and export of JSON Lines chat logs (offline replay).
@@ -18,6 +19,7 @@ pub mod adapter;
 pub mod assets;
 pub mod config;
 pub mod error;
+pub mod graph;
 pub mod learn;
 pub mod policy;
 pub mod replay;

@@ -149,6 +149,49 @@ pub fn aggregation_weights(b: &TokenBatch, agg: Aggregation) -> Vec<f64> {
     }
 }
 
+/// Per-token clip region `(lo, hi, scale)`: constants of the update (no gradient through them).
+pub fn clip_bounds(cfg: &ObjectiveConfig, b: &TokenBatch) -> Vec<(f64, f64, f64)> {
+    (0..b.adv.len())
+        .map(|k| match cfg.clip {
+            ClipMode::Fixed => (1.0 - cfg.eps_low, 1.0 + cfg.eps_high, 1.0),
+            ClipMode::Adaptive => {
+                let c = if b.final_turn[k] { 1.0 } else { 1.0 + cfg.clip_beta * (2.0 * sigmoid(b.ig_hat[k]) - 1.0) };
+                (1.0 - c * cfg.eps_low, 1.0 + c * cfg.eps_high, c)
+            }
+            ClipMode::AdvantageScaled => {
+                let d = 1.0 + cfg.clip_beta * b.adv[k].abs();
+                (1.0 - cfg.eps_low / d, 1.0 + cfg.eps_high / d, 1.0 / d)
+            }
+        })
+        .collect()
+}
+
+/// Per-token weight of the policy term: aggregation weight × TIS weight
+/// `min(exp(logp_old − logp_behavior), C)`.
+pub fn policy_weights(cfg: &ObjectiveConfig, b: &TokenBatch) -> Vec<f64> {
+    aggregation_weights(b, cfg.aggregation)
+        .into_iter()
+        .enumerate()
+        .map(|(k, w)| w * cfg.tis_cap.map_or(1.0, |c| (b.logp_old[k] - b.logp_behavior[k]).exp().min(c)))
+        .collect()
+}
+
+/// The averaging matrix of the ratio groups: `M[k][j] = 1/|group|` when tokens `k` and `j`
+/// share a sequence (or turn), so that `M·lr` is each token's group-mean log-ratio.
+pub fn group_mean_matrix(cfg: &ObjectiveConfig, b: &TokenBatch) -> Array2<f64> {
+    let n = b.seq.len();
+    let key = |k: usize| match cfg.granularity {
+        Granularity::Token => k,
+        Granularity::Sequence => b.seq[k],
+        Granularity::Turn => b.turn[k],
+    };
+    let mut count = std::collections::HashMap::new();
+    for k in 0..n {
+        *count.entry(key(k)).or_insert(0usize) += 1;
+    }
+    Array2::from_shape_fn((n, n), |(k, j)| if key(k) == key(j) { 1.0 / count[&key(k)] as f64 } else { 0.0 })
+}
+
 /// The clipped surrogate: returns the loss, `∂loss/∂logπθ` per token, and diagnostics.
 pub fn surrogate(
     cfg: &ObjectiveConfig,
@@ -176,6 +219,8 @@ pub fn surrogate(
         }
     }
     let w = aggregation_weights(b, cfg.aggregation);
+    let wt = policy_weights(cfg, b);
+    let bounds = clip_bounds(cfg, b);
     let mut grad = vec![0.0; n];
     let mut st = SurrogateStats::default();
     let (mut loss, mut kl) = (0.0, 0.0);
@@ -190,21 +235,7 @@ pub fn surrogate(
         .min(10.0);
         let s = log_s.exp();
         let a = b.adv[k];
-        let (lo, hi, scale) = match cfg.clip {
-            ClipMode::Fixed => (1.0 - cfg.eps_low, 1.0 + cfg.eps_high, 1.0),
-            ClipMode::Adaptive => {
-                let c = if b.final_turn[k] {
-                    1.0
-                } else {
-                    1.0 + cfg.clip_beta * (2.0 * sigmoid(b.ig_hat[k]) - 1.0)
-                };
-                (1.0 - c * cfg.eps_low, 1.0 + c * cfg.eps_high, c)
-            }
-            ClipMode::AdvantageScaled => {
-                let d = 1.0 + cfg.clip_beta * a.abs();
-                (1.0 - cfg.eps_low / d, 1.0 + cfg.eps_high / d, 1.0 / d)
-            }
-        };
+        let (lo, hi, scale) = bounds[k];
         let clipped = s.clamp(lo, hi);
         let (un, cl) = (s * a, clipped * a);
         let active = un <= cl;
@@ -215,12 +246,9 @@ pub fn surrogate(
                 st.clip_high_frac += 1.0;
             }
         }
-        let tis = cfg
-            .tis_cap
-            .map_or(1.0, |c| (b.logp_old[k] - b.logp_behavior[k]).exp().min(c));
-        loss -= w[k] * tis * un.min(cl);
+        loss -= wt[k] * un.min(cl);
         if active {
-            grad[k] -= w[k] * tis * s * a;
+            grad[k] -= wt[k] * s * a;
         }
         if cfg.kl_coef > 0.0 {
             let d = b.logp_ref[k] - logp_new[k];
