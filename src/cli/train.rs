@@ -10,8 +10,9 @@ use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::adapter::Adapter;
 use turnwise::assets;
+use turnwise::graph::Device;
 use turnwise::learn::objective::{Aggregation, ClipMode, Granularity};
-use turnwise::learn::{run_update, Algo, Selection, TrainConfig};
+use turnwise::learn::{run_update, Algo, Backend, Selection, TrainConfig};
 use turnwise::policy::OutputHead;
 use turnwise::store::{Source, Store};
 
@@ -82,6 +83,15 @@ pub struct TrainArgs {
     /// SFT: only sessions whose outcome is at least this
     #[arg(long)]
     min_outcome: Option<f64>,
+    /// Step engine: ort (the differentiated ONNX graph) or ndarray (the Rust reference)
+    #[arg(long, value_enum, default_value_t = Backend::Ort)]
+    backend: Backend,
+    /// ONNX Runtime device: cpu, cuda (error if unavailable) or auto (CUDA, else CPU)
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// ONNX Runtime threads
+    #[arg(long, default_value_t = 2)]
+    train_threads: usize,
     /// Start from a fresh adapter instead of the active one
     #[arg(long)]
     fresh: bool,
@@ -180,6 +190,9 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     cfg.value_coef = args.value_coef;
     cfg.minibatch_tokens = args.minibatch_tokens;
     cfg.sft_min_outcome = args.min_outcome;
+    cfg.backend = args.backend;
+    cfg.device = args.device;
+    cfg.threads = args.train_threads;
     let parent = if args.fresh {
         None
     } else {

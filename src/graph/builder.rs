@@ -97,7 +97,12 @@ pub struct Graph {
 }
 
 fn attr_int(name: &str, i: i64) -> AttributeProto {
-    AttributeProto { name: name.into(), i, r#type: 2, ..Default::default() }
+    AttributeProto {
+        name: name.into(),
+        i,
+        r#type: 2,
+        ..Default::default()
+    }
 }
 
 fn value_info(name: &str, elem: i32, dims: &[Dim]) -> ValueInfoProto {
@@ -110,8 +115,14 @@ fn value_info(name: &str, elem: i32, dims: &[Dim]) -> ValueInfoProto {
                     dim: dims
                         .iter()
                         .map(|d| match d {
-                            Dim::Fixed(n) => Dimension { dim_value: Some(*n), dim_param: None },
-                            Dim::Sym(s) => Dimension { dim_value: None, dim_param: Some((*s).into()) },
+                            Dim::Fixed(n) => Dimension {
+                                dim_value: Some(*n),
+                                dim_param: None,
+                            },
+                            Dim::Sym(s) => Dimension {
+                                dim_value: None,
+                                dim_param: Some((*s).into()),
+                            },
                         })
                         .collect(),
                 }),
@@ -137,7 +148,11 @@ impl Graph {
 
     fn value(&mut self, rank: usize, needs_grad: bool) -> V {
         let v = V(self.values.len());
-        self.values.push(Value { name: format!("v{}", v.0), rank, needs_grad });
+        self.values.push(Value {
+            name: format!("v{}", v.0),
+            rank,
+            needs_grad,
+        });
         v
     }
 
@@ -149,7 +164,13 @@ impl Graph {
         self.values[v.0].rank
     }
 
-    fn node(&mut self, op_type: &str, inputs: &[String], rank: usize, attrs: Vec<AttributeProto>) -> V {
+    fn node(
+        &mut self,
+        op_type: &str,
+        inputs: &[String],
+        rank: usize,
+        attrs: Vec<AttributeProto>,
+    ) -> V {
         let out = self.value(rank, false);
         let name = self.name(out);
         self.nodes.push(NodeProto {
@@ -168,7 +189,11 @@ impl Graph {
             _ => inputs.iter().any(|v| self.values[v.0].needs_grad),
         };
         self.values[out.0].needs_grad = grad;
-        self.tape.push(Rec { op, inputs: inputs.to_vec(), output: out });
+        self.tape.push(Rec {
+            op,
+            inputs: inputs.to_vec(),
+            output: out,
+        });
         out
     }
 
@@ -196,7 +221,12 @@ impl Graph {
         let v = self.value(0, false);
         let name = format!("c{}", v.0);
         self.values[v.0].name = name.clone();
-        self.initializers.push(TensorProto { dims: vec![], data_type: self.elem.code(), name, raw_data: self.elem.bytes(x) });
+        self.initializers.push(TensorProto {
+            dims: vec![],
+            data_type: self.elem.code(),
+            name,
+            raw_data: self.elem.bytes(x),
+        });
         self.consts.insert(x.to_bits(), v);
         v
     }
@@ -239,7 +269,12 @@ impl Graph {
         });
         self.outputs.push(ValueInfoProto {
             name: name.into(),
-            r#type: Some(TypeProto { tensor_type: Some(TensorTypeProto { elem_type: self.elem.code(), shape: None }) }),
+            r#type: Some(TypeProto {
+                tensor_type: Some(TensorTypeProto {
+                    elem_type: self.elem.code(),
+                    shape: None,
+                }),
+            }),
         });
     }
 
@@ -251,7 +286,10 @@ impl Graph {
 
     fn binary(&mut self, op: Op, ty: &str, a: V, b: V) -> V {
         let (ra, rb) = (self.rank(a), self.rank(b));
-        assert!(ra == rb || ra == 0 || rb == 0, "{ty}: ranks {ra} and {rb} do not broadcast here");
+        assert!(
+            ra == rb || ra == 0 || rb == 0,
+            "{ty}: ranks {ra} and {rb} do not broadcast here"
+        );
         let out = self.node(ty, &[self.name(a), self.name(b)], ra.max(rb), vec![]);
         self.record(op, &[a, b], out)
     }
@@ -307,19 +345,34 @@ impl Graph {
     }
     /// `x[i, idx[i, j]]` (axis 1).
     pub fn gather_elements(&mut self, x: V, idx: V) -> V {
-        let out = self.node("GatherElements", &[self.name(x), self.name(idx)], 2, vec![attr_int("axis", 1)]);
+        let out = self.node(
+            "GatherElements",
+            &[self.name(x), self.name(idx)],
+            2,
+            vec![attr_int("axis", 1)],
+        );
         self.record(Op::GatherElements, &[x, idx], out)
     }
     /// Sum of all elements (rank 0).
     pub fn reduce_sum_all(&mut self, x: V) -> V {
-        let out = self.node("ReduceSum", &[self.name(x)], 0, vec![attr_int("keepdims", 0)]);
+        let out = self.node(
+            "ReduceSum",
+            &[self.name(x)],
+            0,
+            vec![attr_int("keepdims", 0)],
+        );
         self.record(Op::ReduceSumAll, &[x], out)
     }
     /// Sum over the last axis, kept as size 1.
     pub fn reduce_sum_last(&mut self, x: V) -> V {
         let axes = self.i64_const(&[-1]);
         let r = self.rank(x);
-        let out = self.node("ReduceSum", &[self.name(x), axes], r, vec![attr_int("keepdims", 1)]);
+        let out = self.node(
+            "ReduceSum",
+            &[self.name(x), axes],
+            r,
+            vec![attr_int("keepdims", 1)],
+        );
         self.record(Op::ReduceSumLast, &[x], out)
     }
     /// Reshape to `dims` (one may be −1).
@@ -345,8 +398,23 @@ impl Graph {
     fn zeros_like(&mut self, x: V) -> V {
         let s = self.shape_of(x);
         let r = self.rank(x);
-        let t = TensorProto { dims: vec![1], data_type: self.elem.code(), name: String::new(), raw_data: self.elem.bytes(0.0) };
-        self.raw("ConstantOfShape", &[s], r, vec![AttributeProto { name: "value".into(), t: Some(t), r#type: 4, ..Default::default() }])
+        let t = TensorProto {
+            dims: vec![1],
+            data_type: self.elem.code(),
+            name: String::new(),
+            raw_data: self.elem.bytes(0.0),
+        };
+        self.raw(
+            "ConstantOfShape",
+            &[s],
+            r,
+            vec![AttributeProto {
+                name: "value".into(),
+                t: Some(t),
+                r#type: 4,
+                ..Default::default()
+            }],
+        )
     }
     fn where_(&mut self, c: V, a: V, b: V) -> V {
         let r = self.rank(a).max(self.rank(b));
@@ -411,7 +479,11 @@ impl Graph {
                     }
                     if needs[1] {
                         let gb = self.unbroadcast(g, inputs[1]);
-                        let gb = if matches!(op, Op::Sub) { self.raw("Neg", &[gb], self.rank(inputs[1]), vec![]) } else { gb };
+                        let gb = if matches!(op, Op::Sub) {
+                            self.raw("Neg", &[gb], self.rank(inputs[1]), vec![])
+                        } else {
+                            gb
+                        };
                         self.accumulate(&mut adj, inputs[1], gb);
                     }
                 }
@@ -451,7 +523,16 @@ impl Graph {
                 Op::Min | Op::Max => {
                     // ties go to the first operand
                     let (a, b) = (inputs[0], inputs[1]);
-                    let mask = self.raw(if matches!(op, Op::Min) { "LessOrEqual" } else { "GreaterOrEqual" }, &[a, b], r, vec![]);
+                    let mask = self.raw(
+                        if matches!(op, Op::Min) {
+                            "LessOrEqual"
+                        } else {
+                            "GreaterOrEqual"
+                        },
+                        &[a, b],
+                        r,
+                        vec![],
+                    );
                     let zero = self.scalar(0.0);
                     if needs[0] {
                         let t = self.where_(mask, g, zero);
@@ -477,7 +558,12 @@ impl Graph {
                 Op::GatherElements => {
                     let x = inputs[0];
                     let z = self.zeros_like(x);
-                    let ga = self.raw("ScatterElements", &[z, inputs[1], g], self.rank(x), vec![attr_int("axis", 1)]);
+                    let ga = self.raw(
+                        "ScatterElements",
+                        &[z, inputs[1], g],
+                        self.rank(x),
+                        vec![attr_int("axis", 1)],
+                    );
                     self.accumulate(&mut adj, x, ga);
                 }
                 Op::ReduceSumAll | Op::ReduceSumLast => {
@@ -515,7 +601,10 @@ impl Graph {
                 input: self.inputs.clone(),
                 output: self.outputs.clone(),
             }),
-            opset_import: vec![OperatorSetIdProto { domain: String::new(), version: 17 }],
+            opset_import: vec![OperatorSetIdProto {
+                domain: String::new(),
+                version: 17,
+            }],
         };
         m.encode_to_vec()
     }
@@ -542,28 +631,64 @@ mod tests {
         let mut feed: Vec<(String, SessionInputValue<'_>)> = xs
             .iter()
             .enumerate()
-            .map(|(i, x)| (format!("x{i}"), Tensor::from_array(x.clone()).unwrap().into()))
+            .map(|(i, x)| {
+                (
+                    format!("x{i}"),
+                    Tensor::from_array(x.clone()).unwrap().into(),
+                )
+            })
             .collect();
-        feed.push(("weight".into(), Tensor::from_array(w.clone()).unwrap().into()));
+        feed.push((
+            "weight".into(),
+            Tensor::from_array(w.clone()).unwrap().into(),
+        ));
         let out = sess.run(feed).unwrap();
-        let loss = *out["loss"].try_extract_array::<f64>().unwrap().iter().next().unwrap();
+        let loss = *out["loss"]
+            .try_extract_array::<f64>()
+            .unwrap()
+            .iter()
+            .next()
+            .unwrap();
         let gs = (0..xs.len())
-            .map(|i| out[format!("g{i}").as_str()].try_extract_array::<f64>().unwrap().to_owned())
+            .map(|i| {
+                out[format!("g{i}").as_str()]
+                    .try_extract_array::<f64>()
+                    .unwrap()
+                    .to_owned()
+            })
             .collect();
         (loss, gs)
     }
 
     /// Builds `loss = Σ weight ⊙ f(x, …)` (random weights, so every output element matters) and
     /// checks `∂loss/∂x` against central finite differences.
-    fn check(name: &str, shapes: &[&[usize]], out: &[usize], f: impl Fn(&mut Graph, &[V]) -> V, range: (f64, f64)) {
+    fn check(
+        name: &str,
+        shapes: &[&[usize]],
+        out: &[usize],
+        f: impl Fn(&mut Graph, &[V]) -> V,
+        range: (f64, f64),
+    ) {
         let mut g = Graph::new(Elem::F64);
         let xs: Vec<V> = shapes
             .iter()
             .enumerate()
-            .map(|(i, s)| g.input(&format!("x{i}"), &s.iter().map(|&d| Dim::Fixed(d as i64)).collect::<Vec<_>>(), true))
+            .map(|(i, s)| {
+                g.input(
+                    &format!("x{i}"),
+                    &s.iter().map(|&d| Dim::Fixed(d as i64)).collect::<Vec<_>>(),
+                    true,
+                )
+            })
             .collect();
         let y = f(&mut g, &xs);
-        let wv = g.input("weight", &out.iter().map(|&d| Dim::Fixed(d as i64)).collect::<Vec<_>>(), false);
+        let wv = g.input(
+            "weight",
+            &out.iter()
+                .map(|&d| Dim::Fixed(d as i64))
+                .collect::<Vec<_>>(),
+            false,
+        );
         let p = g.mul(y, wv);
         let loss = g.reduce_sum_all(p);
         let grads = g.grad(loss, &xs);
@@ -572,8 +697,11 @@ mod tests {
             g.output(*gr, &format!("g{i}"));
         }
         let (mut sess, _) = session(&g.to_bytes(), Device::Cpu, 1).expect("session");
-        let inputs: Vec<ArrayD<f64>> =
-            shapes.iter().enumerate().map(|(i, s)| rand(s, 11 + i as u64, range.0, range.1)).collect();
+        let inputs: Vec<ArrayD<f64>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| rand(s, 11 + i as u64, range.0, range.1))
+            .collect();
         let weight = rand(out, 99, -1.0, 1.0);
         let (_, grads) = run(&mut sess, &inputs, &weight);
         let eps = 1e-6;
@@ -583,7 +711,8 @@ mod tests {
                 let mut xm = inputs.clone();
                 xp[i].as_slice_mut().unwrap()[flat] += eps;
                 xm[i].as_slice_mut().unwrap()[flat] -= eps;
-                let fd = (run(&mut sess, &xp, &weight).0 - run(&mut sess, &xm, &weight).0) / (2.0 * eps);
+                let fd =
+                    (run(&mut sess, &xp, &weight).0 - run(&mut sess, &xm, &weight).0) / (2.0 * eps);
                 let an = grads[i].as_slice().unwrap()[flat];
                 assert!(
                     (fd - an).abs() < 1e-6 * (1.0 + fd.abs()),
@@ -596,25 +725,85 @@ mod tests {
     #[test]
     fn vjp_rules_match_finite_differences() {
         let m = &[3usize, 4][..];
-        check("matmul", &[&[3, 4], &[4, 2]], &[3, 2], |g, x| g.matmul(x[0], x[1]), (-1.0, 1.0));
-        check("transpose", &[m], &[4, 3], |g, x| g.transpose(x[0]), (-1.0, 1.0));
+        check(
+            "matmul",
+            &[&[3, 4], &[4, 2]],
+            &[3, 2],
+            |g, x| g.matmul(x[0], x[1]),
+            (-1.0, 1.0),
+        );
+        check(
+            "transpose",
+            &[m],
+            &[4, 3],
+            |g, x| g.transpose(x[0]),
+            (-1.0, 1.0),
+        );
         check("add", &[m, m], m, |g, x| g.add(x[0], x[1]), (-1.0, 1.0));
-        check("add scalar", &[m, &[]], m, |g, x| g.add(x[0], x[1]), (-1.0, 1.0));
+        check(
+            "add scalar",
+            &[m, &[]],
+            m,
+            |g, x| g.add(x[0], x[1]),
+            (-1.0, 1.0),
+        );
         check("sub", &[m, m], m, |g, x| g.sub(x[0], x[1]), (-1.0, 1.0));
-        check("sub scalar", &[&[], m], m, |g, x| g.sub(x[0], x[1]), (-1.0, 1.0));
+        check(
+            "sub scalar",
+            &[&[], m],
+            m,
+            |g, x| g.sub(x[0], x[1]),
+            (-1.0, 1.0),
+        );
         check("mul", &[m, m], m, |g, x| g.mul(x[0], x[1]), (-1.0, 1.0));
-        check("mul scalar", &[m, &[]], m, |g, x| g.mul(x[0], x[1]), (-1.0, 1.0));
+        check(
+            "mul scalar",
+            &[m, &[]],
+            m,
+            |g, x| g.mul(x[0], x[1]),
+            (-1.0, 1.0),
+        );
         check("exp", &[m], m, |g, x| g.exp(x[0]), (-1.0, 1.0));
         check("log", &[m], m, |g, x| g.log(x[0]), (0.5, 2.0));
         check("neg", &[m], m, |g, x| g.neg(x[0]), (-1.0, 1.0));
         check("sigmoid", &[m], m, |g, x| g.sigmoid(x[0]), (-3.0, 3.0));
         check("min", &[m, m], m, |g, x| g.min(x[0], x[1]), (-1.0, 1.0));
         check("max", &[m, m], m, |g, x| g.max(x[0], x[1]), (-1.0, 1.0));
-        check("min scalar", &[m, &[]], m, |g, x| g.min(x[0], x[1]), (-1.0, 1.0));
-        check("log_softmax", &[m], m, |g, x| g.log_softmax(x[0]), (-2.0, 2.0));
-        check("reduce_sum_all", &[m], &[], |g, x| g.reduce_sum_all(x[0]), (-1.0, 1.0));
-        check("reduce_sum_last", &[m], &[3, 1], |g, x| g.reduce_sum_last(x[0]), (-1.0, 1.0));
-        check("reshape", &[m], &[12], |g, x| g.reshape(x[0], &[-1]), (-1.0, 1.0));
+        check(
+            "min scalar",
+            &[m, &[]],
+            m,
+            |g, x| g.min(x[0], x[1]),
+            (-1.0, 1.0),
+        );
+        check(
+            "log_softmax",
+            &[m],
+            m,
+            |g, x| g.log_softmax(x[0]),
+            (-2.0, 2.0),
+        );
+        check(
+            "reduce_sum_all",
+            &[m],
+            &[],
+            |g, x| g.reduce_sum_all(x[0]),
+            (-1.0, 1.0),
+        );
+        check(
+            "reduce_sum_last",
+            &[m],
+            &[3, 1],
+            |g, x| g.reduce_sum_last(x[0]),
+            (-1.0, 1.0),
+        );
+        check(
+            "reshape",
+            &[m],
+            &[12],
+            |g, x| g.reshape(x[0], &[-1]),
+            (-1.0, 1.0),
+        );
         check(
             "gather_elements",
             &[m],
@@ -640,10 +829,23 @@ mod tests {
         g.output(gr[1], "gy");
         let (mut sess, _) = session(&g.to_bytes(), Device::Cpu, 1).unwrap();
         let xv = ndarray::arr1(&[1.5f64, -2.0]);
-        let feed = vec![("x", Tensor::from_array(xv.clone()).unwrap()), ("y", Tensor::from_array(xv).unwrap())];
+        let feed = vec![
+            ("x", Tensor::from_array(xv.clone()).unwrap()),
+            ("y", Tensor::from_array(xv).unwrap()),
+        ];
         let out = sess.run(feed).unwrap();
-        let gx: Vec<f64> = out["gx"].try_extract_array::<f64>().unwrap().iter().copied().collect();
-        let gy: Vec<f64> = out["gy"].try_extract_array::<f64>().unwrap().iter().copied().collect();
+        let gx: Vec<f64> = out["gx"]
+            .try_extract_array::<f64>()
+            .unwrap()
+            .iter()
+            .copied()
+            .collect();
+        let gy: Vec<f64> = out["gy"]
+            .try_extract_array::<f64>()
+            .unwrap()
+            .iter()
+            .copied()
+            .collect();
         assert_eq!(gx, vec![1.5, -2.0]);
         assert_eq!(gy, vec![0.0, 0.0]);
     }

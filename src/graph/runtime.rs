@@ -10,7 +10,9 @@ use crate::assets;
 use crate::error::{Error, Result};
 
 /// Where the learner's graphs run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Device {
     /// the CPU execution provider
@@ -21,7 +23,8 @@ pub enum Device {
     Auto,
 }
 
-static ENV: OnceLock<std::result::Result<(ort::environment::Environment, PathBuf), String>> = OnceLock::new();
+static ENV: OnceLock<std::result::Result<(ort::environment::Environment, PathBuf), String>> =
+    OnceLock::new();
 
 /// The ONNX Runtime library: `TURNWISE_ORT_LIB`, else the verified copy from the
 /// `onnxruntime` wheel (fetched on first use).
@@ -32,11 +35,18 @@ pub fn library_path(quiet: bool) -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("TURNWISE_ORT_LIB") {
         let p = PathBuf::from(p);
         if !p.is_file() {
-            return Err(Error::Ort(format!("TURNWISE_ORT_LIB={} does not exist", p.display())));
+            return Err(Error::Ort(format!(
+                "TURNWISE_ORT_LIB={} does not exist",
+                p.display()
+            )));
         }
         return Ok(p);
     }
-    assets::ensure(&assets::asset(assets::ONNXRUNTIME)?, &assets::cache_dir(), quiet)
+    assets::ensure(
+        &assets::asset(assets::ONNXRUNTIME)?,
+        &assets::cache_dir(),
+        quiet,
+    )
 }
 
 /// Initialises the process-wide ONNX Runtime environment (once) and returns the library path.
@@ -46,7 +56,8 @@ pub fn library_path(quiet: bool) -> Result<PathBuf> {
 pub fn init(quiet: bool) -> Result<PathBuf> {
     let r = ENV.get_or_init(|| {
         let path = library_path(quiet).map_err(|e| e.to_string())?;
-        let builder = ort::init_from(&path).map_err(|e| format!("cannot load ONNX Runtime from {}: {e}", path.display()))?;
+        let builder = ort::init_from(&path)
+            .map_err(|e| format!("cannot load ONNX Runtime from {}: {e}", path.display()))?;
         let env = builder
             .with_name("turnwise")
             .build()
@@ -73,12 +84,17 @@ pub fn session(model: &[u8], device: Device, threads: usize) -> Result<(Session,
     let e = |what: &'static str| move |err: ort::Error| Error::Ort(format!("{what}: {err}"));
     let build = |cuda: bool| -> Result<Session> {
         let mut b = Session::builder(env).map_err(e("session builder"))?;
-        b = b.with_intra_threads(threads.max(1)).map_err(|x| e("threads")(x.into()))?;
+        b = b
+            .with_intra_threads(threads.max(1))
+            .map_err(|x| e("threads")(x.into()))?;
         if cuda {
             let ep = ort::ep::CUDA::default().build().error_on_failure();
-            b = b.with_execution_providers([ep]).map_err(|x| e("CUDA execution provider")(x.into()))?;
+            b = b
+                .with_execution_providers([ep])
+                .map_err(|x| e("CUDA execution provider")(x.into()))?;
         }
-        b.commit_from_memory(model).map_err(e("loading the step graph"))
+        b.commit_from_memory(model)
+            .map_err(e("loading the step graph"))
     };
     match device {
         Device::Cpu => Ok((build(false)?, Device::Cpu)),

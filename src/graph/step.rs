@@ -162,7 +162,11 @@ impl OrtStep {
     /// [`Error::Ort`].
     pub fn new(kind: StepKind, device: Device, threads: usize) -> Result<Self> {
         let (session, device) = runtime::session(&build(kind, Elem::F32), device, threads)?;
-        Ok(OrtStep { session, kind, device })
+        Ok(OrtStep {
+            session,
+            kind,
+            device,
+        })
     }
 
     /// Runs one step.
@@ -179,9 +183,19 @@ impl OrtStep {
             ("h", tensor(x.h)?.into()),
             ("a", tensor(x.a)?.into()),
             ("b", tensor(x.b)?.into()),
-            ("tok", Tensor::from_array(Array2::from_shape_fn((t, 1), |(i, _)| x.tokens[i] as i64)).map_err(e("input"))?.into()),
+            (
+                "tok",
+                Tensor::from_array(Array2::from_shape_fn((t, 1), |(i, _)| x.tokens[i] as i64))
+                    .map_err(e("input"))?
+                    .into(),
+            ),
             ("w", vec(&x.w)?.into()),
-            ("scale", Tensor::from_array(ndarray::arr0(x.scale)).map_err(e("input"))?.into()),
+            (
+                "scale",
+                Tensor::from_array(ndarray::arr0(x.scale))
+                    .map_err(e("input"))?
+                    .into(),
+            ),
         ];
         if let StepKind::Surrogate { granularity, kl } = self.kind {
             inputs.push(("old", vec(&x.old)?.into()));
@@ -189,23 +203,216 @@ impl OrtStep {
             inputs.push(("lo", vec(&x.lo)?.into()));
             inputs.push(("hi", vec(&x.hi)?.into()));
             if granularity != Granularity::Token {
-                let m = x.gmat.as_ref().ok_or_else(|| Error::Invalid("group matrix missing".into()))?;
+                let m = x
+                    .gmat
+                    .as_ref()
+                    .ok_or_else(|| Error::Invalid("group matrix missing".into()))?;
                 inputs.push(("gmat", tensor(m.view())?.into()));
             }
             if kl {
-                let (rf, wk, c) = x.kl.as_ref().ok_or_else(|| Error::Invalid("KL inputs missing".into()))?;
+                let (rf, wk, c) =
+                    x.kl.as_ref()
+                        .ok_or_else(|| Error::Invalid("KL inputs missing".into()))?;
                 inputs.push(("ref", vec(rf)?.into()));
                 inputs.push(("w_kl", vec(wk)?.into()));
-                inputs.push(("kl_coef", Tensor::from_array(ndarray::arr0(*c)).map_err(e("input"))?.into()));
+                inputs.push((
+                    "kl_coef",
+                    Tensor::from_array(ndarray::arr0(*c))
+                        .map_err(e("input"))?
+                        .into(),
+                ));
             }
         }
         let out = self.session.run(inputs).map_err(e("running the step"))?;
         let get = |name: &str| -> Result<ndarray::ArrayD<f32>> {
-            Ok(out[name].try_extract_array::<f32>().map_err(e("output"))?.to_owned())
+            Ok(out[name]
+                .try_extract_array::<f32>()
+                .map_err(e("output"))?
+                .to_owned())
         };
         let loss = get("loss")?.iter().copied().next().unwrap_or(f32::NAN);
         let logp = get("logp")?.iter().copied().collect();
-        let to2 = |a: ndarray::ArrayD<f32>| a.into_dimensionality::<ndarray::Ix2>().map_err(|err| Error::Ort(err.to_string()));
+        let to2 = |a: ndarray::ArrayD<f32>| {
+            a.into_dimensionality::<ndarray::Ix2>()
+                .map_err(|err| Error::Ort(err.to_string()))
+        };
         Ok((loss, logp, to2(get("grad_a")?)?, to2(get("grad_b")?)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::learn::objective::{
+        clip_bounds, group_mean_matrix, lora_loss_and_grad, policy_weights, surrogate, Aggregation,
+        ClipMode, ObjectiveConfig, TokenBatch,
+    };
+    use crate::policy::sampler::Rng;
+
+    /// The ORT step (f32) against the Rust reference in f64 — itself checked against finite
+    /// differences — for every ratio granularity, clip mode and the KL term.
+    #[test]
+    fn step_graph_matches_the_reference_gradient() {
+        let (t, v, d, r) = (7, 40, 16, 4);
+        let mut rng = Rng::new(8);
+        let mut rnd = |n: usize, s: f64| {
+            (0..n)
+                .map(|_| (rng.next_f64() * 2.0 - 1.0) * s)
+                .collect::<Vec<f64>>()
+        };
+        let base = Array2::from_shape_vec((t, v), rnd(t * v, 3.0)).unwrap();
+        let h = Array2::from_shape_vec((t, d), rnd(t * d, 1.0)).unwrap();
+        let a = Array2::from_shape_vec((r, d), rnd(r * d, 0.3)).unwrap();
+        let b = Array2::from_shape_vec((v, r), rnd(v * r, 0.3)).unwrap();
+        let tokens = vec![3, 17, 0, 39, 8, 8, 21];
+        let scale = 2.0;
+        let (_, old, _, _) = lora_loss_and_grad(
+            base.view(),
+            h.view(),
+            &tokens,
+            a.view(),
+            (&b * 0.8).view(),
+            scale,
+            |lp| (0.0, vec![0.0; lp.len()]),
+        );
+        let batch = TokenBatch {
+            seq: vec![0, 0, 0, 1, 1, 1, 1],
+            turn: vec![0, 0, 1, 2, 2, 3, 3],
+            adv: vec![0.9, 0.9, 0.9, -0.4, -0.4, -0.4, -0.4],
+            ig_hat: vec![0.5, 0.5, 0.0, -1.0, -1.0, 0.0, 0.0],
+            final_turn: vec![false, false, true, false, false, true, true],
+            logp_old: old.clone(),
+            logp_behavior: old.iter().map(|x| x - 0.1).collect(),
+            logp_ref: old.iter().map(|x| x + 0.05).collect(),
+        };
+        let f32v = |x: &[f64]| x.iter().map(|&y| y as f32).collect::<Vec<f32>>();
+        for g in [Granularity::Token, Granularity::Sequence, Granularity::Turn] {
+            for c in [
+                ClipMode::Fixed,
+                ClipMode::Adaptive,
+                ClipMode::AdvantageScaled,
+            ] {
+                let cfg = ObjectiveConfig {
+                    granularity: g,
+                    clip: c,
+                    eps_low: 0.2,
+                    eps_high: 0.28,
+                    clip_beta: 0.3,
+                    aggregation: Aggregation::SeqMeanTokenMean,
+                    tis_cap: Some(2.0),
+                    kl_coef: 0.1,
+                };
+                let (l_ref, lp_ref, da_ref, db_ref) = lora_loss_and_grad(
+                    base.view(),
+                    h.view(),
+                    &tokens,
+                    a.view(),
+                    b.view(),
+                    scale,
+                    |lp| {
+                        let (l, gr, _) = surrogate(&cfg, &batch, lp);
+                        (l, gr)
+                    },
+                );
+                let mut step = OrtStep::new(
+                    StepKind::Surrogate {
+                        granularity: g,
+                        kl: true,
+                    },
+                    Device::Cpu,
+                    1,
+                )
+                .unwrap();
+                let bounds = clip_bounds(&cfg, &batch);
+                let (bf, hf, af, bbf) = (
+                    base.mapv(|x| x as f32),
+                    h.mapv(|x| x as f32),
+                    a.mapv(|x| x as f32),
+                    b.mapv(|x| x as f32),
+                );
+                let inputs = StepInputs {
+                    base: bf.view(),
+                    h: hf.view(),
+                    a: af.view(),
+                    b: bbf.view(),
+                    scale: scale as f32,
+                    tokens: &tokens,
+                    w: f32v(&policy_weights(&cfg, &batch)),
+                    old: f32v(&batch.logp_old),
+                    adv: f32v(&batch.adv),
+                    lo: bounds.iter().map(|b| b.0 as f32).collect(),
+                    hi: bounds.iter().map(|b| b.1 as f32).collect(),
+                    gmat: Some(group_mean_matrix(&cfg, &batch).mapv(|x| x as f32)),
+                    kl: Some((
+                        f32v(&batch.logp_ref),
+                        f32v(&crate::learn::objective::aggregation_weights(
+                            &batch,
+                            cfg.aggregation,
+                        )),
+                        0.1,
+                    )),
+                };
+                let (loss, lp, da, db) = step.run(&inputs).unwrap();
+                let close = |x: f64, y: f64| (x - y).abs() <= 2e-4 * (1.0 + y.abs());
+                assert!(
+                    close(loss as f64, l_ref),
+                    "{g:?} {c:?}: loss {loss} vs {l_ref}"
+                );
+                for (x, y) in lp.iter().zip(&lp_ref) {
+                    assert!(close(*x as f64, *y), "{g:?} {c:?}: logp {x} vs {y}");
+                }
+                for (x, y) in da
+                    .iter()
+                    .zip(da_ref.iter())
+                    .chain(db.iter().zip(db_ref.iter()))
+                {
+                    assert!(close(*x as f64, *y), "{g:?} {c:?}: gradient {x} vs {y}");
+                }
+            }
+        }
+        // cross-entropy
+        let w: Vec<f64> = vec![1.0 / t as f64; t];
+        let (l_ref, _, da_ref, _) = lora_loss_and_grad(
+            base.view(),
+            h.view(),
+            &tokens,
+            a.view(),
+            b.view(),
+            scale,
+            |lp| {
+                (
+                    -lp.iter().zip(&w).map(|(l, w)| l * w).sum::<f64>(),
+                    w.iter().map(|w| -w).collect(),
+                )
+            },
+        );
+        let mut ce = OrtStep::new(StepKind::CrossEntropy, Device::Cpu, 1).unwrap();
+        let (bf, hf, af, bbf) = (
+            base.mapv(|x| x as f32),
+            h.mapv(|x| x as f32),
+            a.mapv(|x| x as f32),
+            b.mapv(|x| x as f32),
+        );
+        let (loss, _, da, _) = ce
+            .run(&StepInputs {
+                base: bf.view(),
+                h: hf.view(),
+                a: af.view(),
+                b: bbf.view(),
+                scale: scale as f32,
+                tokens: &tokens,
+                w: f32v(&w),
+                old: vec![],
+                adv: vec![],
+                lo: vec![],
+                hi: vec![],
+                gmat: None,
+                kl: None,
+            })
+            .unwrap();
+        assert!((loss as f64 - l_ref).abs() < 1e-4 * (1.0 + l_ref.abs()));
+        for (x, y) in da.iter().zip(da_ref.iter()) {
+            assert!((*x as f64 - y).abs() < 2e-4 * (1.0 + y.abs()));
+        }
     }
 }

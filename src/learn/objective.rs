@@ -155,7 +155,11 @@ pub fn clip_bounds(cfg: &ObjectiveConfig, b: &TokenBatch) -> Vec<(f64, f64, f64)
         .map(|k| match cfg.clip {
             ClipMode::Fixed => (1.0 - cfg.eps_low, 1.0 + cfg.eps_high, 1.0),
             ClipMode::Adaptive => {
-                let c = if b.final_turn[k] { 1.0 } else { 1.0 + cfg.clip_beta * (2.0 * sigmoid(b.ig_hat[k]) - 1.0) };
+                let c = if b.final_turn[k] {
+                    1.0
+                } else {
+                    1.0 + cfg.clip_beta * (2.0 * sigmoid(b.ig_hat[k]) - 1.0)
+                };
                 (1.0 - c * cfg.eps_low, 1.0 + c * cfg.eps_high, c)
             }
             ClipMode::AdvantageScaled => {
@@ -172,7 +176,11 @@ pub fn policy_weights(cfg: &ObjectiveConfig, b: &TokenBatch) -> Vec<f64> {
     aggregation_weights(b, cfg.aggregation)
         .into_iter()
         .enumerate()
-        .map(|(k, w)| w * cfg.tis_cap.map_or(1.0, |c| (b.logp_old[k] - b.logp_behavior[k]).exp().min(c)))
+        .map(|(k, w)| {
+            w * cfg
+                .tis_cap
+                .map_or(1.0, |c| (b.logp_old[k] - b.logp_behavior[k]).exp().min(c))
+        })
         .collect()
 }
 
@@ -189,7 +197,13 @@ pub fn group_mean_matrix(cfg: &ObjectiveConfig, b: &TokenBatch) -> Array2<f64> {
     for k in 0..n {
         *count.entry(key(k)).or_insert(0usize) += 1;
     }
-    Array2::from_shape_fn((n, n), |(k, j)| if key(k) == key(j) { 1.0 / count[&key(k)] as f64 } else { 0.0 })
+    Array2::from_shape_fn((n, n), |(k, j)| {
+        if key(k) == key(j) {
+            1.0 / count[&key(k)] as f64
+        } else {
+            0.0
+        }
+    })
 }
 
 /// The clipped surrogate: returns the loss, `∂loss/∂logπθ` per token, and diagnostics.

@@ -13,10 +13,13 @@ use serde_json::json;
 
 use super::advantages::{a2tgpo, group_normalize, informative_groups};
 use super::objective::{
-    lora_loss_and_grad, surrogate, Aggregation, ClipMode, Granularity, ObjectiveConfig, TokenBatch,
+    aggregation_weights, clip_bounds, group_mean_matrix, lora_loss_and_grad, policy_weights,
+    surrogate, Aggregation, ClipMode, Granularity, ObjectiveConfig, TokenBatch,
 };
 use crate::adapter::{adapter_dir, Adapter};
 use crate::error::{Error, Result};
+use crate::graph::step::{OrtStep, StepInputs, StepKind};
+use crate::graph::Device;
 use crate::policy::OutputHead;
 use crate::store::{Source, Store};
 
@@ -34,6 +37,16 @@ pub enum Algo {
     Grpo,
     /// supervised warm start: token cross-entropy on assistant turns
     Sft,
+}
+
+/// Which engine computes the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// the differentiated ONNX graph in ONNX Runtime (CPU or CUDA)
+    Ort,
+    /// the same step in Rust with ndarray (reference, and the benchmark's baseline)
+    Ndarray,
 }
 
 /// Everything an update needs to know; defaults are the A²TGPO preset.
@@ -71,6 +84,12 @@ pub struct TrainConfig {
     pub seed: u64,
     /// SFT: only sessions with at least this outcome
     pub sft_min_outcome: Option<f64>,
+    /// step engine
+    pub backend: Backend,
+    /// ONNX Runtime device
+    pub device: Device,
+    /// ONNX Runtime intra-op threads
+    pub threads: usize,
 }
 
 impl TrainConfig {
@@ -132,6 +151,9 @@ impl TrainConfig {
             value_coef: 0.5,
             seed: 0,
             sft_min_outcome: None,
+            backend: Backend::Ort,
+            device: Device::Cpu,
+            threads: 2,
         }
     }
 }
@@ -295,6 +317,86 @@ fn log_softmax_at(z: &Array2<f32>, tokens: &[usize]) -> Vec<f64> {
         .collect()
 }
 
+/// The step inputs of a minibatch for adapter matrices `a`, `b`. Before `logp_old` is known
+/// (the forward pass that computes it) the surrogate inputs are neutral.
+fn step_inputs<'a>(
+    cfg: &TrainConfig,
+    sft: bool,
+    mb: &'a Minibatch,
+    a: ndarray::ArrayView2<'a, f32>,
+    b: ndarray::ArrayView2<'a, f32>,
+    scale: f32,
+) -> StepInputs<'a> {
+    let f = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+    let n = mb.tokens.len();
+    let ready = mb.batch.logp_old.len() == n;
+    let w = if sft {
+        f(&aggregation_weights(&mb.batch, Aggregation::TokenMean))
+    } else if ready {
+        f(&policy_weights(&cfg.objective, &mb.batch))
+    } else {
+        vec![0.0; n]
+    };
+    let bounds = if ready {
+        clip_bounds(&cfg.objective, &mb.batch)
+    } else {
+        vec![(1.0, 1.0, 1.0); n]
+    };
+    StepInputs {
+        base: mb.base.view(),
+        h: mb.h.view(),
+        a,
+        b,
+        scale,
+        tokens: &mb.tokens,
+        w,
+        old: if ready {
+            f(&mb.batch.logp_old)
+        } else {
+            vec![0.0; n]
+        },
+        adv: f(&mb.batch.adv),
+        lo: bounds.iter().map(|b| b.0 as f32).collect(),
+        hi: bounds.iter().map(|b| b.1 as f32).collect(),
+        gmat: (!sft && cfg.objective.granularity != Granularity::Token)
+            .then(|| group_mean_matrix(&cfg.objective, &mb.batch).mapv(|x| x as f32)),
+        kl: (cfg.objective.kl_coef > 0.0).then(|| {
+            (
+                f(&mb.batch.logp_ref),
+                f(&aggregation_weights(&mb.batch, cfg.objective.aggregation)),
+                cfg.objective.kl_coef as f32,
+            )
+        }),
+    }
+}
+
+/// Log-probs of a minibatch's tokens under (`a`, `b`), by the step engine in use.
+fn forward_logp(
+    step: Option<&mut OrtStep>,
+    cfg: &TrainConfig,
+    sft: bool,
+    mb: &Minibatch,
+    a: ndarray::ArrayView2<'_, f32>,
+    b: ndarray::ArrayView2<'_, f32>,
+    scale: f32,
+) -> Result<Vec<f64>> {
+    match step {
+        Some(step) => Ok(step
+            .run(&step_inputs(cfg, sft, mb, a, b, scale))?
+            .1
+            .into_iter()
+            .map(f64::from)
+            .collect()),
+        None => {
+            let (_, lp, _, _) =
+                lora_loss_and_grad(mb.base.view(), mb.h.view(), &mb.tokens, a, b, scale, |lp| {
+                    (0.0, vec![0.0; lp.len()])
+                });
+            Ok(lp.into_iter().map(f64::from).collect())
+        }
+    }
+}
+
 /// Runs one update over the selected sessions, starting from `parent` (the active adapter, or a
 /// fresh one), and writes a candidate adapter next to the database.
 ///
@@ -379,6 +481,20 @@ pub fn run_update(
         }
     }
 
+    let mut ort_step = match cfg.backend {
+        Backend::Ort => {
+            let kind = if sft {
+                StepKind::CrossEntropy
+            } else {
+                StepKind::Surrogate {
+                    granularity: cfg.objective.granularity,
+                    kl: cfg.objective.kl_coef > 0.0,
+                }
+            };
+            Some(OrtStep::new(kind, cfg.device, cfg.threads)?)
+        }
+        Backend::Ndarray => None,
+    };
     // ---- minibatches with base logits, old / reference log-probs -------------------------------
     let mut order: Vec<usize> = (0..sessions.len()).filter(|&i| keep[i]).collect();
     if order.is_empty() {
@@ -443,18 +559,23 @@ pub fn run_update(
             .map_err(|e| Error::Corrupt(e.to_string()))?;
         mb.base = head.base_logits(mb.h.view())?;
         mb.batch.logp_ref = log_softmax_at(&mb.base, &mb.tokens);
-        // logp_old per turn under the adapter that generated it
+        // logp_old per turn under the adapter that generated it, computed by the same step
+        // engine as the new log-probs (so the first ratio of the update is exactly 1)
+        let zero_b = Array2::<f32>::zeros(current.b.dim());
+        let mut by_gen: HashMap<Option<i64>, Vec<f64>> = HashMap::new();
+        for (gen, _, _) in &gens {
+            if !by_gen.contains_key(gen) {
+                let (a, b, sc) = match gen.and_then(|g| generators.get(&g)) {
+                    Some(ad) => (ad.a.view(), ad.b.view(), ad.scale()),
+                    None => (current.a.view(), zero_b.view(), current.scale()),
+                };
+                let lp = forward_logp(ort_step.as_mut(), cfg, sft, &mb, a, b, sc)?;
+                by_gen.insert(*gen, lp);
+            }
+        }
         let mut off = 0;
         for (gen, len, full) in gens {
-            let sl = off..off + len;
-            let base = mb.base.slice(ndarray::s![sl.clone(), ..]).to_owned();
-            let h = mb.h.slice(ndarray::s![sl.clone(), ..]).to_owned();
-            let old = logprobs(
-                &base,
-                &h,
-                &mb.tokens[sl.clone()],
-                gen.and_then(|g| generators.get(&g)),
-            );
+            let old = &by_gen[&gen][off..off + len];
             for (k, o) in old.iter().enumerate() {
                 let d = (o - full[k] as f64).abs();
                 gap_full += d;
@@ -464,7 +585,7 @@ pub fn run_update(
                 gap_behavior.1 = gap_behavior.1.max(db);
                 n_gap += 1;
             }
-            mb.batch.logp_old.extend(old);
+            mb.batch.logp_old.extend_from_slice(old);
             off += len;
         }
         minibatches.push(mb);
@@ -476,6 +597,9 @@ pub fn run_update(
     }
 
     // ---- epochs of AdamW steps ----------------------------------------------------------------
+    let device_used = ort_step
+        .as_ref()
+        .map(|s| format!("{:?}", s.device).to_lowercase());
     let mut opt = AdamW::new(&[current.a.dim(), current.b.dim()]);
     let mut vopt = AdamW::new(&[(1, n_embd + 1)]);
     let steps = cfg.epochs * minibatches.len();
@@ -487,28 +611,37 @@ pub fn run_update(
         for mb in &minibatches {
             let scale = current.scale();
             let mut stats = None;
-            let (loss, logp_new, da, db) = lora_loss_and_grad(
-                mb.base.view(),
-                mb.h.view(),
-                &mb.tokens,
-                current.a.view(),
-                current.b.view(),
-                scale,
-                |lp: &[f32]| {
-                    let lp64: Vec<f64> = lp.iter().map(|&x| x as f64).collect();
-                    if sft {
-                        let w = super::objective::aggregation_weights(
-                            &mb.batch,
-                            Aggregation::TokenMean,
-                        );
-                        let loss = -lp64.iter().zip(&w).map(|(l, w)| l * w).sum::<f64>();
-                        return (loss as f32, w.iter().map(|w| -*w as f32).collect());
+            let (loss, logp_new, da, db) = match ort_step.as_mut() {
+                Some(step) => {
+                    let inputs =
+                        step_inputs(cfg, sft, mb, current.a.view(), current.b.view(), scale);
+                    let out = step.run(&inputs)?;
+                    if !sft {
+                        let lp64: Vec<f64> = out.1.iter().map(|&x| x as f64).collect();
+                        stats = Some(surrogate(&cfg.objective, &mb.batch, &lp64).2);
                     }
-                    let (loss, g, st) = surrogate(&cfg.objective, &mb.batch, &lp64);
-                    stats = Some(st);
-                    (loss as f32, g.into_iter().map(|x| x as f32).collect())
-                },
-            );
+                    out
+                }
+                None => lora_loss_and_grad(
+                    mb.base.view(),
+                    mb.h.view(),
+                    &mb.tokens,
+                    current.a.view(),
+                    current.b.view(),
+                    scale,
+                    |lp: &[f32]| {
+                        let lp64: Vec<f64> = lp.iter().map(|&x| x as f64).collect();
+                        if sft {
+                            let w = aggregation_weights(&mb.batch, Aggregation::TokenMean);
+                            let loss = -lp64.iter().zip(&w).map(|(l, w)| l * w).sum::<f64>();
+                            return (loss as f32, w.iter().map(|w| -*w as f32).collect());
+                        }
+                        let (loss, g, st) = surrogate(&cfg.objective, &mb.batch, &lp64);
+                        stats = Some(st);
+                        (loss as f32, g.into_iter().map(|x| x as f32).collect())
+                    },
+                ),
+            };
             if first_ratio_dev.is_none() && !sft {
                 let dev = logp_new
                     .iter()
@@ -665,6 +798,8 @@ pub fn run_update(
         "turn_entropy": ent_sum / ent_n.max(1) as f64,
         "grouping": if groups.iter().all(|g| g == "batch") { "batch" } else { "group_key" },
         "seconds": secs,
+        "backend": format!("{:?}", cfg.backend).to_lowercase(),
+        "device": device_used,
     });
 
     // ---- write the candidate atomically, then register it -------------------------------------
