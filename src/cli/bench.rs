@@ -34,6 +34,10 @@ pub struct BenchArgs {
     /// Repetitions (the median is reported)
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// Benchmark the learner's step instead: ONNX Runtime vs ndarray at T = 256 and 1024,
+    /// r = 8 and 16, plus the rescoring prefill
+    #[arg(long)]
+    train: bool,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -46,6 +50,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// # Errors
 /// Model loading or decoding errors.
 pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
+    if args.train {
+        return train(args, verbose);
+    }
     let cfg = args.model.engine_config(verbose)?;
     let engine = Engine::start(cfg.clone())?;
     let mut plain_cfg = cfg.clone();
@@ -200,5 +207,139 @@ pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         ed / pd
     );
     drop(backend);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The learner's step: the differentiated ONNX graph in ONNX Runtime against the same step in
+/// ndarray, on real features (rounded hidden states of the default model) and its real output
+/// weight; plus the prefill used to rescore imported logs.
+fn train(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
+    use ndarray::Array2;
+    use turnwise::adapter::Adapter;
+    use turnwise::graph::step::{OrtStep, StepInputs, StepKind};
+    use turnwise::graph::Device;
+    use turnwise::learn::objective::{
+        clip_bounds, group_mean_matrix, lora_loss_and_grad, policy_weights, surrogate, Aggregation,
+        ClipMode, Granularity, ObjectiveConfig, TokenBatch,
+    };
+    use turnwise::policy::sampler::Rng;
+    use turnwise::policy::OutputHead;
+
+    let cfg = args.model.engine_config(verbose)?;
+    let head = OutputHead::from_gguf(&cfg.model)?;
+    let (d, v) = (head.n_embd(), head.n_vocab());
+    let obj = ObjectiveConfig {
+        granularity: Granularity::Turn,
+        clip: ClipMode::Adaptive,
+        eps_low: 3e-3,
+        eps_high: 4e-3,
+        clip_beta: 0.3,
+        aggregation: Aggregation::SeqMeanTokenMean,
+        tis_cap: None,
+        kl_coef: 0.0,
+    };
+    println!(
+        "learner step (turn ratio, adaptive clip): loss + ∂A + ∂B; median of {} reps; {} threads",
+        args.reps, cfg.n_threads
+    );
+    println!(
+        "{:>6} {:>4} {:>14} {:>14} {:>10} {:>14}",
+        "T", "r", "ort ms", "ndarray ms", "speed-up", "ort tokens/s"
+    );
+    let mut rng = Rng::new(1);
+    for &t in &[256usize, 1024] {
+        let h = Array2::from_shape_fn((t, d), |_| (rng.next_f64() * 4.0 - 2.0) as f32);
+        let h = head.quantize_hidden(h.view())?;
+        let base = head.base_logits(h.view())?;
+        let tokens: Vec<usize> = (0..t)
+            .map(|_| (rng.next_u64() % v as u64) as usize)
+            .collect();
+        let batch = TokenBatch {
+            seq: (0..t).map(|k| k / 64).collect(),
+            turn: (0..t).map(|k| k / 16).collect(),
+            adv: (0..t)
+                .map(|k| if (k / 64) % 2 == 0 { 1.0 } else { -1.0 })
+                .collect(),
+            ig_hat: vec![0.0; t],
+            final_turn: (0..t).map(|k| k % 64 >= 48).collect(),
+            logp_old: vec![-3.0; t],
+            logp_behavior: vec![-3.0; t],
+            logp_ref: vec![-3.0; t],
+        };
+        let f = |x: &[f64]| x.iter().map(|&y| y as f32).collect::<Vec<f32>>();
+        for &r in &[8usize, 16] {
+            let mut ad = Adapter::fresh(d, v, r, 2.0 * r as f32, 3, "bench");
+            ad.b.mapv_inplace(|_| (rng.next_f64() * 0.02 - 0.01) as f32);
+            let bounds = clip_bounds(&obj, &batch);
+            let inputs = StepInputs {
+                base: base.view(),
+                h: h.view(),
+                a: ad.a.view(),
+                b: ad.b.view(),
+                scale: ad.scale(),
+                tokens: &tokens,
+                w: f(&policy_weights(&obj, &batch)),
+                old: f(&batch.logp_old),
+                adv: f(&batch.adv),
+                lo: bounds.iter().map(|b| b.0 as f32).collect(),
+                hi: bounds.iter().map(|b| b.1 as f32).collect(),
+                gmat: Some(group_mean_matrix(&obj, &batch).mapv(|x| x as f32)),
+                kl: None,
+            };
+            let mut step = OrtStep::new(
+                StepKind::Surrogate {
+                    granularity: Granularity::Turn,
+                    kl: false,
+                },
+                Device::Cpu,
+                cfg.n_threads as usize,
+            )?;
+            step.run(&inputs)?; // warm-up
+            let (mut ort_ms, mut nd_ms) = (Vec::new(), Vec::new());
+            for _ in 0..args.reps {
+                let t0 = Instant::now();
+                step.run(&inputs)?;
+                ort_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                let t1 = Instant::now();
+                lora_loss_and_grad(
+                    base.view(),
+                    h.view(),
+                    &tokens,
+                    ad.a.view(),
+                    ad.b.view(),
+                    ad.scale(),
+                    |lp: &[f32]| {
+                        let lp64: Vec<f64> = lp.iter().map(|&x| x as f64).collect();
+                        let (l, g, _) = surrogate(&obj, &batch, &lp64);
+                        (l as f32, g.into_iter().map(|x| x as f32).collect())
+                    },
+                );
+                nd_ms.push(t1.elapsed().as_secs_f64() * 1e3);
+            }
+            let (o, n) = (median(ort_ms), median(nd_ms));
+            println!(
+                "{t:>6} {r:>4} {o:>14.1} {n:>14.1} {:>9.2}x {:>14.0}",
+                n / o,
+                t as f64 / (o / 1e3)
+            );
+        }
+    }
+    // rescoring prefill (imports): one prefill over ~1000 tokens with outputs on the reply rows
+    let engine = Engine::start(cfg.clone())?;
+    let text = "Order 48213 was a blue jacket, size M, shipped to Lisbon. ".repeat(60);
+    let tokens = engine.tokenize(&text)?;
+    let positions: Vec<usize> = (tokens.len() / 2..tokens.len()).collect();
+    let mut rates = Vec::new();
+    for _ in 0..args.reps.min(3) {
+        let t0 = Instant::now();
+        engine.rescore(tokens.clone(), positions.clone())?;
+        rates.push(tokens.len() as f64 / t0.elapsed().as_secs_f64());
+    }
+    println!(
+        "rescoring prefill: {} tokens, {} scored positions: {:.0} tokens/s",
+        tokens.len(),
+        positions.len(),
+        median(rates)
+    );
     Ok(ExitCode::SUCCESS)
 }

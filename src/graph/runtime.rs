@@ -111,3 +111,33 @@ pub fn session(model: &[u8], device: Device, threads: usize) -> Result<(Session,
         },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::{Dim, Elem, Graph};
+
+    fn tiny() -> Vec<u8> {
+        let mut g = Graph::new(Elem::F32);
+        let x = g.input("x", &[Dim::Fixed(2)], false);
+        let y = g.exp(x);
+        g.output(y, "y");
+        g.to_bytes()
+    }
+
+    /// The CPU wheel has no CUDA provider: `cuda` must fail and say what is missing, `auto`
+    /// must fall back to the CPU.
+    #[test]
+    fn cuda_fails_clearly_and_auto_falls_back_to_cpu() {
+        let (_, used) = session(&tiny(), Device::Cpu, 1).unwrap();
+        assert_eq!(used, Device::Cpu);
+        match session(&tiny(), Device::Cuda, 1) {
+            Err(e) => assert!(e.to_string().contains("onnxruntime-gpu"), "{e}"),
+            Ok((_, used)) => {
+                assert_eq!(used, Device::Cuda, "a machine with a working CUDA provider")
+            }
+        }
+        let (_, used) = session(&tiny(), Device::Auto, 1).unwrap();
+        assert!(matches!(used, Device::Cpu | Device::Cuda));
+    }
+}
