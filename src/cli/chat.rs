@@ -49,6 +49,7 @@ struct Chat<'a> {
     session: Option<i64>,
     replies: u64,
     last_assistant_idx: Option<i64>,
+    adapter_id: Option<i64>,
 }
 
 impl Chat<'_> {
@@ -62,7 +63,26 @@ impl Chat<'_> {
         Ok(())
     }
 
+    /// Hot-swaps to the store's active adapter when it changed (e.g. `turnwise adapters
+    /// activate` or a `train --activate` in another process), between turns.
+    fn follow_active_adapter(&mut self) -> anyhow::Result<()> {
+        let active = self.store.active_adapter()?.map(|a| a.id);
+        if active != self.adapter_id {
+            self.engine
+                .set_adapter(super::train::active_adapter(&self.store)?)?;
+            self.adapter_id = active;
+            eprintln!(
+                "(now sampling with adapter {})",
+                active
+                    .map(|a| a.to_string())
+                    .unwrap_or_else(|| "none".into())
+            );
+        }
+        Ok(())
+    }
+
     fn say(&mut self, text: &str, out: &mut impl Write) -> anyhow::Result<()> {
+        self.follow_active_adapter()?;
         let mut messages = Vec::new();
         let id = match self.session {
             Some(id) => id,
@@ -117,10 +137,6 @@ impl Chat<'_> {
 pub fn run(args: ChatArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode> {
     let store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
     let engine = args.model.start(verbose)?;
-    if let Some((id, a)) = super::train::active_adapter(&store)? {
-        engine.set_adapter(Some((id, a)))?;
-        tracing::info!(adapter = id, "sampling with the active adapter");
-    }
     let tty = std::io::stdin().is_terminal();
     if tty {
         eprintln!(
@@ -136,6 +152,7 @@ pub fn run(args: ChatArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode>
         session: None,
         replies: 0,
         last_assistant_idx: None,
+        adapter_id: None,
     };
     let stdin = std::io::stdin();
     let mut input = stdin.lock();

@@ -12,7 +12,7 @@ use turnwise::adapter::Adapter;
 use turnwise::assets;
 use turnwise::graph::Device;
 use turnwise::learn::objective::{Aggregation, ClipMode, Granularity};
-use turnwise::learn::{run_update, Algo, Backend, Selection, TrainConfig};
+use turnwise::learn::{run_update, AdvantageMode, Algo, Backend, Selection, TrainConfig};
 use turnwise::policy::OutputHead;
 use turnwise::store::{Source, Store};
 
@@ -20,7 +20,8 @@ use turnwise::store::{Source, Store};
 #[derive(Args)]
 pub struct TrainArgs {
     /// Preset: a2tgpo (turn ratio, adaptive clip 3e-3/4e-3), atpo (turn ratio, fixed clip),
-    /// gspo (sequence ratio), grpo (token ratio, clip 0.2/0.28), sft (supervised warm start)
+    /// gspo (sequence ratio), grpo (token ratio, clip 0.2/0.28), gigpo (token ratio, step-group
+    /// advantages), ppo-token (token ratio, windowed GAE on the value head), sft (warm start)
     #[arg(long, value_enum, default_value_t = Algo::A2tgpo)]
     algo: Algo,
     /// GGUF model the sessions were logged with [default: the default model]
@@ -59,6 +60,9 @@ pub struct TrainArgs {
     /// Loss aggregation [preset]
     #[arg(long, value_enum)]
     aggregation: Option<Aggregation>,
+    /// Advantage: outcome, a2tgpo, gigpo, windowed-gae [preset]
+    #[arg(long, value_enum)]
+    advantage: Option<AdvantageMode>,
     /// Dr.GRPO: centre outcomes without dividing by their std
     #[arg(long)]
     dr_grpo: bool,
@@ -180,6 +184,9 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     }
     if let Some(v) = args.aggregation {
         cfg.objective.aggregation = v;
+    }
+    if let Some(v) = args.advantage {
+        cfg.advantage = v;
     }
     cfg.objective.tis_cap = args.tis;
     cfg.objective.kl_coef = args.kl_coef;

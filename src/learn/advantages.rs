@@ -92,6 +92,74 @@ pub fn a2tgpo<G: Hash + Eq + Clone>(
     (adv, ig_hat)
 }
 
+/// GiGPO / SLEA-RL step advantages (§3): `A = R̂ + ω · A_step`, where `A_step` is the z-score of
+/// the discounted return-to-go `Σ_{k≥t} γ^{k−t} r_k` among the steps that share a step key
+/// (same group, same observation) — steps with a unique observation get `A_step = 0`.
+pub fn gigpo<G: Hash + Eq + Clone, K: Hash + Eq + Clone>(
+    rewards: &[Vec<f64>],
+    step_keys: &[Vec<K>],
+    groups: &[G],
+    r_hat: &[f64],
+    gamma: f64,
+    omega: f64,
+) -> Vec<Vec<f64>> {
+    let mut flat = Vec::new();
+    let mut keys = Vec::new();
+    for (i, r) in rewards.iter().enumerate() {
+        let mut ret = vec![0.0; r.len()];
+        let mut acc = 0.0;
+        for t in (0..r.len()).rev() {
+            acc = r[t] + gamma * acc;
+            ret[t] = acc;
+        }
+        for (t, v) in ret.into_iter().enumerate() {
+            flat.push(v);
+            keys.push((groups[i].clone(), step_keys[i][t].clone()));
+        }
+    }
+    let z = group_normalize(&flat, &keys, true);
+    let mut out = Vec::with_capacity(rewards.len());
+    let mut k = 0;
+    for (i, r) in rewards.iter().enumerate() {
+        out.push((0..r.len()).map(|t| r_hat[i] + omega * z[k + t]).collect());
+        k += r.len();
+    }
+    out
+}
+
+/// The seed article's windowed turn-group GAE (§3): the session is cut into windows of
+/// `window` turns; inside a window, `δ_t = r_t + γ·V_{t+1} − V_t` with `V` at the window's end
+/// bootstrapped from the value head (`values[end]`, 0 at the session's end), and
+/// `A_t = Σ_l (γλ)^l δ_{t+l}` without crossing the window boundary.
+pub fn windowed_gae(
+    rewards: &[f64],
+    values: &[f64],
+    window: usize,
+    gamma: f64,
+    lambda: f64,
+) -> Vec<f64> {
+    let n = rewards.len();
+    let window = window.max(1);
+    let mut adv = vec![0.0; n];
+    let mut start = 0;
+    while start < n {
+        let end = (start + window).min(n);
+        let mut acc = 0.0;
+        for t in (start..end).rev() {
+            let next = if t + 1 < n { values[t + 1] } else { 0.0 };
+            let delta = rewards[t] + gamma * next - values[t];
+            acc = if t + 1 == end {
+                delta
+            } else {
+                delta + gamma * lambda * acc
+            };
+            adv[t] = acc;
+        }
+        start = end;
+    }
+    adv
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,6 +176,34 @@ mod tests {
             informative_groups(&[1.0, 1.0, 0.0, 1.0], &[1, 1, 2, 2]),
             vec![false, false, true, true]
         );
+    }
+
+    #[test]
+    fn gigpo_by_hand() {
+        // two sessions in one group; both start from the same observation "o0", then diverge
+        let rewards = vec![vec![0.0, 1.0], vec![0.0, 0.0]];
+        let keys = vec![vec!["o0", "a"], vec!["o0", "b"]];
+        let a = gigpo(&rewards, &keys, &["g", "g"], &[0.5, -0.5], 0.5, 1.0);
+        // returns at o0: 0 + 0.5·1 = 0.5 and 0 -> z = ±1 (to 1e-5); unique later steps get 0
+        assert!((a[0][0] - 1.5).abs() < 1e-5 && (a[1][0] + 1.5).abs() < 1e-5);
+        assert_eq!(a[0][1], 0.5);
+        assert_eq!(a[1][1], -0.5);
+    }
+
+    #[test]
+    fn windowed_gae_by_hand() {
+        // 3 turns, window 2, γ = 1, λ = 0.5; reward only at the end
+        let r = [0.0, 0.0, 1.0];
+        let v = [0.2, 0.4, 0.6];
+        let a = windowed_gae(&r, &v, 2, 1.0, 0.5);
+        // window [0, 2): δ1 = 0 + V2 − V1 = 0.2 (bootstrap V2), δ0 = 0 + 0.4 − 0.2 = 0.2
+        // A1 = 0.2, A0 = 0.2 + 0.5·0.2 = 0.3; window [2, 3): A2 = 1 + 0 − 0.6 = 0.4
+        assert!(
+            (a[0] - 0.3).abs() < 1e-12 && (a[1] - 0.2).abs() < 1e-12 && (a[2] - 0.4).abs() < 1e-12
+        );
+        // window 1: every turn is its own window
+        let b = windowed_gae(&r, &v, 1, 1.0, 0.5);
+        assert!((b[0] - 0.2).abs() < 1e-12 && (b[1] - 0.2).abs() < 1e-12);
     }
 
     #[test]

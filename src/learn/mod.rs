@@ -11,4 +11,4 @@ pub mod advantages;
 pub mod objective;
 pub mod update;
 
-pub use update::{run_update, Algo, Backend, Selection, TrainConfig, UpdateReport};
+pub use update::{run_update, AdvantageMode, Algo, Backend, Selection, TrainConfig, UpdateReport};

@@ -11,7 +11,7 @@ use ndarray::{Array1, Array2, Axis};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::advantages::{a2tgpo, group_normalize, informative_groups};
+use super::advantages::{a2tgpo, gigpo, group_normalize, informative_groups, windowed_gae};
 use super::objective::{
     aggregation_weights, clip_bounds, group_mean_matrix, lora_loss_and_grad, policy_weights,
     surrogate, Aggregation, ClipMode, Granularity, ObjectiveConfig, TokenBatch,
@@ -35,8 +35,26 @@ pub enum Algo {
     Gspo,
     /// token ratio, clip-higher, outcome advantage
     Grpo,
+    /// token ratio, clip-higher, GiGPO step advantages (γ 0.95, ω 1)
+    Gigpo,
+    /// token ratio, clip-higher, windowed turn-group GAE with the value head
+    PpoToken,
     /// supervised warm start: token cross-entropy on assistant turns
     Sft,
+}
+
+/// How per-turn advantages are formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdvantageMode {
+    /// every turn gets the normalised outcome R̂ (GRPO, GSPO)
+    Outcome,
+    /// A²TGPO: turn-group normalised process signal, variance-rescaled accumulation, + R̂
+    A2tgpo,
+    /// GiGPO / SLEA: R̂ + ω · z(return-to-go) among steps with the same observation
+    Gigpo,
+    /// windowed turn-group GAE over the value head (window 5, γ 1, λ 0.95)
+    WindowedGae,
 }
 
 /// Which engine computes the step.
@@ -60,6 +78,8 @@ pub struct TrainConfig {
     pub dr_grpo: bool,
     /// DAPO: drop groups whose outcomes are all equal
     pub drop_uninformative: bool,
+    /// how turn advantages are formed
+    pub advantage: AdvantageMode,
     /// A²TGPO α (process-term weight)
     pub alpha: f64,
     /// A²TGPO γ
@@ -117,13 +137,19 @@ impl TrainConfig {
                 4e-3,
                 Aggregation::SeqMeanTokenMean,
             ),
-            Algo::Grpo | Algo::Sft => (
+            Algo::Grpo | Algo::Gigpo | Algo::PpoToken | Algo::Sft => (
                 Granularity::Token,
                 ClipMode::Fixed,
                 0.2,
                 0.28,
                 Aggregation::TokenMean,
             ),
+        };
+        let advantage = match algo {
+            Algo::A2tgpo | Algo::Atpo => AdvantageMode::A2tgpo,
+            Algo::Gigpo => AdvantageMode::Gigpo,
+            Algo::PpoToken => AdvantageMode::WindowedGae,
+            Algo::Gspo | Algo::Grpo | Algo::Sft => AdvantageMode::Outcome,
         };
         TrainConfig {
             algo,
@@ -139,8 +165,9 @@ impl TrainConfig {
             },
             dr_grpo: false,
             drop_uninformative: false,
+            advantage,
             alpha: 1.0,
-            gamma: 1.0,
+            gamma: if algo == Algo::Gigpo { 0.95 } else { 1.0 },
             lr: if algo == Algo::Sft { 5e-3 } else { 1e-3 },
             weight_decay: 0.0,
             max_grad_norm: 1.0,
@@ -181,6 +208,8 @@ pub struct UpdateReport {
 }
 
 struct TurnData {
+    /// hash of the context before the turn (the observation, for GiGPO step groups)
+    context_key: u64,
     tokens: Vec<usize>,
     h: Array2<f32>,
     logp_behavior: Vec<f32>,
@@ -258,11 +287,14 @@ fn load_sessions(
             continue;
         }
         let mut turns = Vec::new();
-        for t in store
-            .turns(s.id)?
-            .into_iter()
-            .filter(|t| t.role == crate::Role::Assistant)
-        {
+        let mut context = std::collections::hash_map::DefaultHasher::new();
+        for t in store.turns(s.id)? {
+            use std::hash::{Hash, Hasher};
+            let context_key = context.finish();
+            t.token_ids.hash(&mut context);
+            if t.role != crate::Role::Assistant {
+                continue;
+            }
             let (Some(lp), Some(f)) = (store.token_logprobs(t.id)?, store.features(t.id)?) else {
                 continue; // features dropped by gc, or never captured
             };
@@ -270,6 +302,7 @@ fn load_sessions(
             let h = Array2::from_shape_vec((n, f.n_embd), f.values)
                 .map_err(|e| Error::Corrupt(e.to_string()))?;
             turns.push(TurnData {
+                context_key,
                 tokens: t.token_ids.iter().map(|&x| x as usize).collect(),
                 h,
                 logp_behavior: lp.logp_behavior,
@@ -440,7 +473,7 @@ pub fn run_update(
     // no per-turn process signal yet (step-level credit is a later stage): zero, so process
     // turns get R̂ and the adaptive clip scale is 1
     let signal: Vec<Vec<f64>> = sessions.iter().map(|s| vec![0.0; s.turns.len()]).collect();
-    let (turn_adv, ig_hat) = a2tgpo(&signal, &groups, &r_hat, cfg.gamma, cfg.alpha);
+    let (a2, ig_hat) = a2tgpo(&signal, &groups, &r_hat, cfg.gamma, cfg.alpha);
     let (rmin, rmax) = rewards
         .iter()
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &r| {
@@ -471,6 +504,50 @@ pub fn run_update(
                 "",
             )
         });
+    let turn_adv: Vec<Vec<f64>> = match cfg.advantage {
+        AdvantageMode::A2tgpo => a2,
+        AdvantageMode::Outcome => sessions
+            .iter()
+            .zip(&r_hat)
+            .map(|(s, r)| vec![*r; s.turns.len()])
+            .collect(),
+        AdvantageMode::Gigpo => {
+            let rew: Vec<Vec<f64>> = sessions
+                .iter()
+                .map(|s| {
+                    (0..s.turns.len())
+                        .map(|t| {
+                            if t + 1 == s.turns.len() {
+                                s.outcome
+                            } else {
+                                0.0
+                            }
+                        })
+                        .collect()
+                })
+                .collect();
+            let keys: Vec<Vec<u64>> = sessions
+                .iter()
+                .map(|s| s.turns.iter().map(|t| t.context_key).collect())
+                .collect();
+            gigpo(&rew, &keys, &groups, &r_hat, cfg.gamma, 1.0)
+        }
+        AdvantageMode::WindowedGae => sessions
+            .iter()
+            .map(|s| {
+                let n = s.turns.len();
+                let rew: Vec<f64> = (0..n)
+                    .map(|t| if t + 1 == n { success(s.outcome) } else { 0.0 })
+                    .collect();
+                let v: Vec<f64> = s
+                    .turns
+                    .iter()
+                    .map(|t| current.value(&t.h.row(0).to_vec()) as f64)
+                    .collect();
+                windowed_gae(&rew, &v, 5, 1.0, 0.95)
+            })
+            .collect(),
+    };
     let mut generators: HashMap<i64, Adapter> = HashMap::new();
     for s in &sessions {
         for t in &s.turns {
