@@ -412,6 +412,30 @@ fn every_preset_runs_an_update_on_both_backends() {
             assert!(Adapter::load(&adapter_dir(&db, id)).unwrap().is_finite());
         }
     }
+    // the optional terms together: KL to base, entropy bonus, TIS and MIS
+    for backend in [Backend::Ort, Backend::Ndarray] {
+        let mut cfg = TrainConfig::preset(Algo::A2tgpo);
+        cfg.epochs = 1;
+        cfg.backend = backend;
+        cfg.objective.kl_coef = 0.05;
+        cfg.objective.entropy_coef = 0.01;
+        cfg.objective.tis_cap = Some(2.0);
+        cfg.objective.mis = true;
+        let r = run_update(
+            &mut store,
+            &db,
+            head(),
+            None,
+            &cfg,
+            &Selection {
+                limit: 100,
+                ..Default::default()
+            },
+            |_, _, _| {},
+        )
+        .unwrap_or_else(|e| panic!("optional terms {backend:?}: {e}"));
+        assert!(r.diagnostics["loss"].as_f64().unwrap().is_finite());
+    }
     let n: i64 = store
         .connection()
         .query_row(
@@ -420,7 +444,7 @@ fn every_preset_runs_an_update_on_both_backends() {
             |r| r.get(0),
         )
         .unwrap();
-    assert_eq!(n, 14);
+    assert_eq!(n, 16);
 }
 
 #[test]

@@ -237,6 +237,8 @@ fn train(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         aggregation: Aggregation::SeqMeanTokenMean,
         tis_cap: None,
         kl_coef: 0.0,
+        entropy_coef: 0.0,
+        mis: false,
     };
     println!(
         "learner step (turn ratio, adaptive clip): loss + ∂A + ∂B; median of {} reps; {} threads",
@@ -285,11 +287,13 @@ fn train(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
                 hi: bounds.iter().map(|b| b.1 as f32).collect(),
                 gmat: Some(group_mean_matrix(&obj, &batch).mapv(|x| x as f32)),
                 kl: None,
+                entropy: None,
             };
             let mut step = OrtStep::new(
                 StepKind::Surrogate {
                     granularity: Granularity::Turn,
                     kl: false,
+                    entropy: false,
                 },
                 Device::Cpu,
                 cfg.n_threads as usize,

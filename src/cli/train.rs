@@ -72,6 +72,12 @@ pub struct TrainArgs {
     /// Truncated importance sampling cap C (off when unset; ALGORITHMS.md uses 2)
     #[arg(long)]
     tis: Option<f64>,
+    /// Entropy-bonus coefficient
+    #[arg(long, default_value_t = 0.0)]
+    entropy_coef: f64,
+    /// MIS: drop tokens whose behaviour ratio is outside [0.5, 2]
+    #[arg(long)]
+    mis: bool,
     /// k3 KL-to-base coefficient
     #[arg(long, default_value_t = 0.0)]
     kl_coef: f64,
@@ -190,6 +196,8 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     }
     cfg.objective.tis_cap = args.tis;
     cfg.objective.kl_coef = args.kl_coef;
+    cfg.objective.entropy_coef = args.entropy_coef;
+    cfg.objective.mis = args.mis;
     cfg.dr_grpo = args.dr_grpo;
     cfg.drop_uninformative = args.drop_uninformative;
     cfg.alpha = args.alpha;

@@ -24,6 +24,8 @@ pub enum StepKind {
         granularity: Granularity,
         /// add `kl_coef · Σ w_kl · k3`
         kl: bool,
+        /// subtract `ent_coef · Σ w_ent · H` (full-softmax entropy)
+        entropy: bool,
     },
     /// `−Σ w · logp` (supervised warm start)
     CrossEntropy,
@@ -57,7 +59,11 @@ pub fn build(kind: StepKind, elem: Elem) -> Vec<u8> {
             let s = g.reduce_sum_all(t);
             g.neg(s)
         }
-        StepKind::Surrogate { granularity, kl } => {
+        StepKind::Surrogate {
+            granularity,
+            kl,
+            entropy,
+        } => {
             let old = g.input("old", &[Sym("T")], false);
             let adv = g.input("adv", &[Sym("T")], false);
             let lo = g.input("lo", &[Sym("T")], false);
@@ -88,6 +94,20 @@ pub fn build(kind: StepKind, elem: Elem) -> Vec<u8> {
             let t = g.mul(obj, w);
             let t = g.reduce_sum_all(t);
             let pol = g.neg(t);
+            let pol = if entropy {
+                let we = g.input("w_ent", &[Sym("T")], false);
+                let coef = g.input("ent_coef", &[], false);
+                let p = g.exp(ls);
+                let plp = g.mul(p, ls);
+                let neg_h = g.reduce_sum_last(plp); // −H, [T, 1]
+                let neg_h = g.reshape(neg_h, &[-1]);
+                let t = g.mul(neg_h, we);
+                let t = g.reduce_sum_all(t);
+                let t = g.mul(t, coef);
+                g.add(pol, t)
+            } else {
+                pol
+            };
             if kl {
                 let rf = g.input("ref", &[Sym("T")], false);
                 let wk = g.input("w_kl", &[Sym("T")], false);
@@ -142,6 +162,8 @@ pub struct StepInputs<'a> {
     pub gmat: Option<Array2<f32>>,
     /// KL: reference log-probs, weights, coefficient
     pub kl: Option<(Vec<f32>, Vec<f32>, f32)>,
+    /// entropy bonus: weights, coefficient
+    pub entropy: Option<(Vec<f32>, f32)>,
 }
 
 /// The step graph in an ONNX Runtime session.
@@ -197,7 +219,25 @@ impl OrtStep {
                     .into(),
             ),
         ];
-        if let StepKind::Surrogate { granularity, kl } = self.kind {
+        if let StepKind::Surrogate {
+            granularity,
+            kl,
+            entropy,
+        } = self.kind
+        {
+            if entropy {
+                let (we, c) = x
+                    .entropy
+                    .as_ref()
+                    .ok_or_else(|| Error::Invalid("entropy inputs missing".into()))?;
+                inputs.push(("w_ent", vec(we)?.into()));
+                inputs.push((
+                    "ent_coef",
+                    Tensor::from_array(ndarray::arr0(*c))
+                        .map_err(e("input"))?
+                        .into(),
+                ));
+            }
             inputs.push(("old", vec(&x.old)?.into()));
             inputs.push(("adv", vec(&x.adv)?.into()));
             inputs.push(("lo", vec(&x.lo)?.into()));
@@ -301,23 +341,29 @@ mod tests {
                     aggregation: Aggregation::SeqMeanTokenMean,
                     tis_cap: Some(2.0),
                     kl_coef: 0.1,
+                    entropy_coef: 0.0,
+                    mis: false,
                 };
-                let (l_ref, lp_ref, da_ref, db_ref) = lora_loss_and_grad(
-                    base.view(),
-                    h.view(),
-                    &tokens,
-                    a.view(),
-                    b.view(),
-                    scale,
-                    |lp| {
-                        let (l, gr, _) = surrogate(&cfg, &batch, lp);
-                        (l, gr)
-                    },
-                );
+                let w_ent = crate::learn::objective::aggregation_weights(&batch, cfg.aggregation);
+                let (l_ref, lp_ref, da_ref, db_ref) =
+                    crate::learn::objective::lora_loss_and_grad_entropy(
+                        base.view(),
+                        h.view(),
+                        &tokens,
+                        a.view(),
+                        b.view(),
+                        scale,
+                        Some((&w_ent, 0.05)),
+                        |lp| {
+                            let (l, gr, _) = surrogate(&cfg, &batch, lp);
+                            (l, gr)
+                        },
+                    );
                 let mut step = OrtStep::new(
                     StepKind::Surrogate {
                         granularity: g,
                         kl: true,
+                        entropy: true,
                     },
                     Device::Cpu,
                     1,
@@ -351,6 +397,7 @@ mod tests {
                         )),
                         0.1,
                     )),
+                    entropy: Some((f32v(&w_ent), 0.05)),
                 };
                 let (loss, lp, da, db) = step.run(&inputs).unwrap();
                 let close = |x: f64, y: f64| (x - y).abs() <= 2e-4 * (1.0 + y.abs());
@@ -408,6 +455,7 @@ mod tests {
                 hi: vec![],
                 gmat: None,
                 kl: None,
+                entropy: None,
             })
             .unwrap();
         assert!((loss as f64 - l_ref).abs() < 1e-4 * (1.0 + l_ref.abs()));

@@ -67,6 +67,13 @@ pub struct ObjectiveConfig {
     pub tis_cap: Option<f64>,
     /// coefficient of the k3 KL to the base policy (adapter off)
     pub kl_coef: f64,
+    /// coefficient of the entropy bonus (the loss subtracts `coef · Σ w · H`)
+    #[serde(default)]
+    pub entropy_coef: f64,
+    /// MIS: drop tokens whose `exp(logp_old − logp_behavior)` is outside `[0.5, 2]`, also from
+    /// the aggregation's denominators
+    #[serde(default)]
+    pub mis: bool,
 }
 
 /// One batch of assistant tokens, flattened.
@@ -117,36 +124,39 @@ fn sigmoid(x: f64) -> f64 {
 
 /// Aggregation weight of every token.
 pub fn aggregation_weights(b: &TokenBatch, agg: Aggregation) -> Vec<f64> {
-    let n = b.seq.len();
+    aggregation_weights_masked(b, agg, &vec![true; b.seq.len()])
+}
+
+/// Aggregation weights counting only the tokens with `keep[k]`; the others get 0.
+pub fn aggregation_weights_masked(b: &TokenBatch, agg: Aggregation, keep: &[bool]) -> Vec<f64> {
+    let n = keep.iter().filter(|&&k| k).count();
     let count = |keys: &[usize]| {
         let mut m = std::collections::HashMap::new();
-        for k in keys {
+        for (k, _) in keys.iter().zip(keep).filter(|(_, &kp)| kp) {
             *m.entry(*k).or_insert(0usize) += 1;
         }
         m
     };
-    match agg {
-        Aggregation::TokenMean => vec![1.0 / n.max(1) as f64; n],
-        Aggregation::SeqMeanTokenMean => {
-            let c = count(&b.seq);
-            b.seq
-                .iter()
-                .map(|s| 1.0 / (c.len() * c[s]) as f64)
-                .collect()
-        }
-        Aggregation::TurnMean => {
-            let c = count(&b.turn);
-            b.turn
-                .iter()
-                .map(|t| 1.0 / (c.len() * c[t]) as f64)
-                .collect()
-        }
+    let per_group = |keys: &[usize]| {
+        let c = count(keys);
+        keys.iter()
+            .map(|k| c.get(k).map_or(0.0, |&m| 1.0 / (c.len() * m) as f64))
+            .collect::<Vec<f64>>()
+    };
+    let w = match agg {
+        Aggregation::TokenMean => vec![1.0 / n.max(1) as f64; keep.len()],
+        Aggregation::SeqMeanTokenMean => per_group(&b.seq),
+        Aggregation::TurnMean => per_group(&b.turn),
         Aggregation::SeqMeanTokenSumNorm => {
             let c = count(&b.seq);
             let longest = c.values().copied().max().unwrap_or(1);
-            vec![1.0 / (c.len() * longest) as f64; n]
+            vec![1.0 / (c.len().max(1) * longest) as f64; keep.len()]
         }
-    }
+    };
+    w.into_iter()
+        .zip(keep)
+        .map(|(w, &k)| if k { w } else { 0.0 })
+        .collect()
 }
 
 /// Per-token clip region `(lo, hi, scale)`: constants of the update (no gradient through them).
@@ -173,7 +183,7 @@ pub fn clip_bounds(cfg: &ObjectiveConfig, b: &TokenBatch) -> Vec<(f64, f64, f64)
 /// Per-token weight of the policy term: aggregation weight × TIS weight
 /// `min(exp(logp_old − logp_behavior), C)`.
 pub fn policy_weights(cfg: &ObjectiveConfig, b: &TokenBatch) -> Vec<f64> {
-    aggregation_weights(b, cfg.aggregation)
+    aggregation_weights_masked(b, cfg.aggregation, &mis_mask(cfg, b))
         .into_iter()
         .enumerate()
         .map(|(k, w)| {
@@ -181,6 +191,13 @@ pub fn policy_weights(cfg: &ObjectiveConfig, b: &TokenBatch) -> Vec<f64> {
                 .tis_cap
                 .map_or(1.0, |c| (b.logp_old[k] - b.logp_behavior[k]).exp().min(c))
         })
+        .collect()
+}
+
+/// Tokens kept by MIS (all when MIS is off).
+pub fn mis_mask(cfg: &ObjectiveConfig, b: &TokenBatch) -> Vec<bool> {
+    (0..b.seq.len())
+        .map(|k| !cfg.mis || (0.5..=2.0).contains(&(b.logp_old[k] - b.logp_behavior[k]).exp()))
         .collect()
 }
 
@@ -298,22 +315,62 @@ pub fn lora_loss_and_grad<F: Float + LinalgScalar + ScalarOperand>(
     scale: F,
     objective: impl FnOnce(&[F]) -> (F, Vec<F>),
 ) -> (F, Vec<F>, Array2<F>, Array2<F>) {
+    lora_loss_and_grad_entropy(base, h, tokens, a, b, scale, None, objective)
+}
+
+/// [`lora_loss_and_grad`] with an entropy bonus: `entropy = Some((w, coef))` adds
+/// `−coef · Σ_k w_k H_k` to the loss, `H_k` the full-softmax entropy at token `k`.
+#[allow(clippy::too_many_arguments)]
+pub fn lora_loss_and_grad_entropy<F: Float + LinalgScalar + ScalarOperand>(
+    base: ArrayView2<'_, F>,
+    h: ArrayView2<'_, F>,
+    tokens: &[usize],
+    a: ArrayView2<'_, F>,
+    b: ArrayView2<'_, F>,
+    scale: F,
+    entropy: Option<(&[F], F)>,
+    objective: impl FnOnce(&[F]) -> (F, Vec<F>),
+) -> (F, Vec<F>, Array2<F>, Array2<F>) {
     let u = h.dot(&a.t()); // [T, r]
     let mut z = base.to_owned() + &(u.dot(&b.t()) * scale); // [T, V]
     let mut logp = Vec::with_capacity(tokens.len());
+    let mut ent = Vec::with_capacity(tokens.len());
     for (mut row, &tok) in z.rows_mut().into_iter().zip(tokens) {
         let m = row.iter().copied().fold(F::neg_infinity(), F::max);
         let sum = row.iter().fold(F::zero(), |acc, &x| acc + (x - m).exp());
         let lse = m + sum.ln();
         logp.push(row[tok] - lse);
+        if entropy.is_some() {
+            // H = lse − Σ p z
+            let pz = row
+                .iter()
+                .fold(F::zero(), |acc, &x| acc + (x - lse).exp() * x);
+            ent.push(lse - pz);
+        }
         // keep softmax in place for the backward pass
         row.mapv_inplace(|x| (x - lse).exp());
     }
-    let (loss, g) = objective(&logp);
-    // dZ = g · (onehot − softmax)
-    for ((mut row, &tok), &gk) in z.rows_mut().into_iter().zip(tokens).zip(&g) {
-        row.mapv_inplace(|p| -gk * p);
+    let (mut loss, g) = objective(&logp);
+    // dZ = g · (onehot − softmax); the entropy bonus adds ∂(−c·w·H)/∂z = c·w·p·(log p + H)
+    for (k, ((mut row, &tok), &gk)) in z.rows_mut().into_iter().zip(tokens).zip(&g).enumerate() {
+        match entropy {
+            Some((w, c)) => {
+                let (cw, hk) = (c * w[k], ent[k]);
+                row.mapv_inplace(|p| {
+                    let plogp = if p > F::zero() { p * p.ln() } else { F::zero() };
+                    -gk * p + cw * (plogp + p * hk)
+                });
+            }
+            None => row.mapv_inplace(|p| -gk * p),
+        }
         row[tok] = row[tok] + gk;
+    }
+    if let Some((w, c)) = entropy {
+        loss = loss
+            - c * ent
+                .iter()
+                .zip(w)
+                .fold(F::zero(), |acc, (&hk, &wk)| acc + hk * wk);
     }
     let db = z.t().dot(&u) * scale; // [V, r]
     let du = z.dot(&b) * scale; // [T, r]
@@ -336,6 +393,8 @@ mod tests {
             aggregation: agg,
             tis_cap: Some(2.0),
             kl_coef: 0.05,
+            entropy_coef: 0.0,
+            mis: false,
         }
     }
 
@@ -367,6 +426,65 @@ mod tests {
             ..c.clone()
         };
         assert!((surrogate(&ca, &b, &[-0.9, -1.5]).0 - loss).abs() < 1e-12);
+    }
+
+    #[test]
+    fn mis_drops_tokens_from_the_denominator() {
+        let b = TokenBatch {
+            seq: vec![0, 0, 1],
+            turn: vec![0, 0, 1],
+            logp_old: vec![-1.0, -1.0, -1.0],
+            logp_behavior: vec![-1.0, -2.0, -1.1], // ratios 1, e (dropped), 1.105
+            ..Default::default()
+        };
+        let mut c = cfg(Granularity::Token, ClipMode::Fixed, Aggregation::TokenMean);
+        c.tis_cap = None;
+        c.mis = true;
+        assert_eq!(policy_weights(&c, &b), vec![0.5, 0.0, 0.5]);
+        c.aggregation = Aggregation::SeqMeanTokenMean;
+        assert_eq!(policy_weights(&c, &b), vec![0.5, 0.0, 0.5]);
+    }
+
+    #[test]
+    fn entropy_bonus_gradient_matches_finite_differences() {
+        let (t, v, d, r) = (3, 6, 4, 2);
+        let mut rng = Rng::new(21);
+        let mut rand = |n: usize, s: f64| {
+            (0..n)
+                .map(|_| (rng.next_f64() * 2.0 - 1.0) * s)
+                .collect::<Vec<f64>>()
+        };
+        let base = Array2::from_shape_vec((t, v), rand(t * v, 2.0)).unwrap();
+        let h = Array2::from_shape_vec((t, d), rand(t * d, 1.0)).unwrap();
+        let a = Array2::from_shape_vec((r, d), rand(r * d, 0.5)).unwrap();
+        let b = Array2::from_shape_vec((v, r), rand(v * r, 0.5)).unwrap();
+        let tokens = vec![0, 5, 2];
+        let w = vec![0.2, 0.3, 0.5];
+        let f = |b: &Array2<f64>| {
+            lora_loss_and_grad_entropy(
+                base.view(),
+                h.view(),
+                &tokens,
+                a.view(),
+                b.view(),
+                1.5,
+                Some((&w, 0.7)),
+                |lp| (-lp[1], vec![0.0, -1.0, 0.0]),
+            )
+        };
+        let (_, _, _, db) = f(&b);
+        let eps = 1e-6;
+        for (i, j) in [(0, 0), (3, 1), (5, 0)] {
+            let (mut bp, mut bm) = (b.clone(), b.clone());
+            bp[[i, j]] += eps;
+            bm[[i, j]] -= eps;
+            let fd = (f(&bp).0 - f(&bm).0) / (2.0 * eps);
+            assert!(
+                (fd - db[[i, j]]).abs() < 1e-6 * (1.0 + fd.abs()),
+                "dB[{i},{j}] fd {fd} vs {}",
+                db[[i, j]]
+            );
+        }
     }
 
     #[test]

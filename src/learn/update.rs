@@ -13,8 +13,9 @@ use serde_json::json;
 
 use super::advantages::{a2tgpo, gigpo, group_normalize, informative_groups, windowed_gae};
 use super::objective::{
-    aggregation_weights, clip_bounds, group_mean_matrix, lora_loss_and_grad, policy_weights,
-    surrogate, Aggregation, ClipMode, Granularity, ObjectiveConfig, TokenBatch,
+    aggregation_weights, clip_bounds, group_mean_matrix, lora_loss_and_grad,
+    lora_loss_and_grad_entropy, policy_weights, surrogate, Aggregation, ClipMode, Granularity,
+    ObjectiveConfig, TokenBatch,
 };
 use crate::adapter::{adapter_dir, Adapter};
 use crate::error::{Error, Result};
@@ -162,6 +163,8 @@ impl TrainConfig {
                 aggregation,
                 tis_cap: None,
                 kl_coef: 0.0,
+                entropy_coef: 0.0,
+                mis: false,
             },
             dr_grpo: false,
             drop_uninformative: false,
@@ -400,6 +403,12 @@ fn step_inputs<'a>(
                 cfg.objective.kl_coef as f32,
             )
         }),
+        entropy: (!sft && cfg.objective.entropy_coef > 0.0).then(|| {
+            (
+                f(&aggregation_weights(&mb.batch, cfg.objective.aggregation)),
+                cfg.objective.entropy_coef as f32,
+            )
+        }),
     }
 }
 
@@ -566,6 +575,7 @@ pub fn run_update(
                 StepKind::Surrogate {
                     granularity: cfg.objective.granularity,
                     kl: cfg.objective.kl_coef > 0.0,
+                    entropy: cfg.objective.entropy_coef > 0.0,
                 }
             };
             Some(OrtStep::new(kind, cfg.device, cfg.threads)?)
@@ -688,6 +698,12 @@ pub fn run_update(
         for mb in &minibatches {
             let scale = current.scale();
             let mut stats = None;
+            let ent_w: Option<Vec<f32>> = (!sft && cfg.objective.entropy_coef > 0.0).then(|| {
+                aggregation_weights(&mb.batch, cfg.objective.aggregation)
+                    .iter()
+                    .map(|&x| x as f32)
+                    .collect()
+            });
             let (loss, logp_new, da, db) = match ort_step.as_mut() {
                 Some(step) => {
                     let inputs =
@@ -699,13 +715,16 @@ pub fn run_update(
                     }
                     out
                 }
-                None => lora_loss_and_grad(
+                None => lora_loss_and_grad_entropy(
                     mb.base.view(),
                     mb.h.view(),
                     &mb.tokens,
                     current.a.view(),
                     current.b.view(),
                     scale,
+                    ent_w
+                        .as_ref()
+                        .map(|w| (w.as_slice(), cfg.objective.entropy_coef as f32)),
                     |lp: &[f32]| {
                         let lp64: Vec<f64> = lp.iter().map(|&x| x as f64).collect();
                         if sft {
