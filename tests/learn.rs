@@ -13,6 +13,20 @@ use turnwise::{Engine, EngineConfig, Message, Role, SamplerParams};
 
 use crate::common::{head, model_path, tempdir};
 
+/// One update over every finished session of the store.
+fn train(
+    store: &mut Store,
+    db: &std::path::Path,
+    parent: Option<(i64, Arc<Adapter>)>,
+    cfg: &TrainConfig,
+) -> turnwise::Result<turnwise::learn::UpdateReport> {
+    let sel = Selection {
+        limit: 100,
+        ..Default::default()
+    };
+    run_update(store, db, head(), parent, cfg, &sel, |_, _, _| {})
+}
+
 fn private_engine() -> Engine {
     Engine::start(EngineConfig::new(model_path())).expect("engine")
 }
@@ -229,19 +243,7 @@ fn supervised_warm_start_teaches_a_reply_format() {
     let before = eval(None);
     let mut cfg = TrainConfig::preset(Algo::Sft);
     cfg.epochs = 40;
-    let r = run_update(
-        &mut store,
-        &db,
-        head(),
-        None,
-        &cfg,
-        &Selection {
-            limit: 100,
-            ..Default::default()
-        },
-        |_, _, _| {},
-    )
-    .unwrap();
+    let r = train(&mut store, &db, None, &cfg).unwrap();
     let id = r.adapter_id.unwrap();
     let ad = Adapter::load(&adapter_dir(&db, id)).unwrap();
     let after = eval(Some((id, Arc::new(ad))));
@@ -320,19 +322,7 @@ fn rl_updates_raise_the_rewarded_behaviour_and_a_flipped_sign_lowers_it() {
         let mut cfg = TrainConfig::preset(Algo::Grpo);
         cfg.lr = 3e-3;
         cfg.epochs = 4;
-        let r = run_update(
-            &mut store,
-            &db,
-            head(),
-            None,
-            &cfg,
-            &Selection {
-                limit: 100,
-                ..Default::default()
-            },
-            |_, _, _| {},
-        )
-        .unwrap();
+        let r = train(&mut store, &db, None, &cfg).unwrap();
         let ad = Adapter::load(&adapter_dir(&db, r.adapter_id.unwrap())).unwrap();
         // judged by the true reward, whatever the training signal was
         let truth: Vec<(i64, f64)> = sessions
@@ -384,19 +374,8 @@ fn every_preset_runs_an_update_on_both_backends() {
             let mut cfg = TrainConfig::preset(algo);
             cfg.epochs = 1;
             cfg.backend = backend;
-            let r = run_update(
-                &mut store,
-                &db,
-                head(),
-                None,
-                &cfg,
-                &Selection {
-                    limit: 100,
-                    ..Default::default()
-                },
-                |_, _, _| {},
-            )
-            .unwrap_or_else(|e| panic!("{algo:?} {backend:?}: {e}"));
+            let r = train(&mut store, &db, None, &cfg)
+                .unwrap_or_else(|e| panic!("{algo:?} {backend:?}: {e}"));
             let d = &r.diagnostics;
             assert!(
                 d["loss"].as_f64().unwrap().is_finite(),
@@ -421,19 +400,8 @@ fn every_preset_runs_an_update_on_both_backends() {
         cfg.objective.entropy_coef = 0.01;
         cfg.objective.tis_cap = Some(2.0);
         cfg.objective.mis = true;
-        let r = run_update(
-            &mut store,
-            &db,
-            head(),
-            None,
-            &cfg,
-            &Selection {
-                limit: 100,
-                ..Default::default()
-            },
-            |_, _, _| {},
-        )
-        .unwrap_or_else(|e| panic!("optional terms {backend:?}: {e}"));
+        let r = train(&mut store, &db, None, &cfg)
+            .unwrap_or_else(|e| panic!("optional terms {backend:?}: {e}"));
         assert!(r.diagnostics["loss"].as_f64().unwrap().is_finite());
     }
     let n: i64 = store
@@ -461,19 +429,7 @@ fn a_non_finite_update_is_rejected_and_nothing_is_activated() {
     cfg.epochs = 1;
     // the NaN reaches the parameters after the first step; the second minibatch pass sees it
     cfg.epochs = 2;
-    let e = run_update(
-        &mut store,
-        &db,
-        head(),
-        None,
-        &cfg,
-        &Selection {
-            limit: 100,
-            ..Default::default()
-        },
-        |_, _, _| {},
-    )
-    .unwrap_err();
+    let e = train(&mut store, &db, None, &cfg).unwrap_err();
     assert!(
         e.to_string().contains("rejected") || e.to_string().contains("not finite"),
         "{e}"

@@ -187,6 +187,19 @@ impl GgufIndex {
         self.tensors.iter().find(|t| t.name == name)
     }
 
+    /// The output projection: `output.weight`, or `token_embd.weight` when the model ties them.
+    ///
+    /// # Errors
+    /// [`Error::BadModel`] when the model has neither.
+    pub fn output_tensor(&self) -> Result<&TensorInfo> {
+        self.tensor("output.weight")
+            .or_else(|| self.tensor("token_embd.weight"))
+            .ok_or_else(|| Error::BadModel {
+                path: self.path.clone(),
+                reason: "no output.weight or token_embd.weight tensor".into(),
+            })
+    }
+
     /// Reads `len` raw bytes of a tensor's data.
     ///
     /// # Errors

@@ -65,13 +65,7 @@ impl FeatureDtype {
 /// [`Error::BadModel`] when the model has no output projection.
 pub fn output_types(path: &Path) -> Result<(u32, u32)> {
     let idx = GgufIndex::open(path)?;
-    let t = idx
-        .tensor("output.weight")
-        .or_else(|| idx.tensor("token_embd.weight"))
-        .ok_or_else(|| Error::BadModel {
-            path: path.into(),
-            reason: "no output.weight or token_embd.weight tensor".into(),
-        })?;
+    let t = idx.output_tensor()?;
     Ok((t.ggml_type, llama::vec_dot_type(t.ggml_type)))
 }
 
@@ -93,14 +87,7 @@ impl OutputHead {
     /// its type cannot be dequantised.
     pub fn from_gguf(path: &Path) -> Result<Self> {
         let idx = GgufIndex::open(path)?;
-        let t = idx
-            .tensor("output.weight")
-            .or_else(|| idx.tensor("token_embd.weight"))
-            .ok_or_else(|| Error::BadModel {
-                path: path.into(),
-                reason: "no output.weight or token_embd.weight tensor".into(),
-            })?
-            .clone();
+        let t = idx.output_tensor()?.clone();
         if t.dims.len() != 2 {
             return Err(Error::BadModel {
                 path: path.into(),
