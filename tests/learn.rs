@@ -441,3 +441,110 @@ fn a_non_finite_update_is_rejected_and_nothing_is_activated() {
         .iter()
         .all(|a| a.status != "candidate" && a.status != "active"));
 }
+
+#[test]
+fn step_level_credit_is_annotated_queryable_and_feeds_a2tgpo() {
+    use turnwise::learn::annotate::{annotate_sessions, AnnotateConfig};
+    let dir = tempdir();
+    let engine = private_engine();
+    let db = dir.path().join("credit.db");
+    let mut store = Store::open(&db).unwrap();
+    let mut ids = Vec::new();
+    for i in 0..4u64 {
+        let mut s = NewSession::new(Source::Demo);
+        s.group_key = Some("refund".into());
+        s.reference = Some("I have refunded order 48213.".into());
+        let sid = store.create_session(&s).unwrap();
+        let p = SamplerParams {
+            max_tokens: 10,
+            seed: i,
+            ..Default::default()
+        };
+        for msg in ["I want a refund.", "The order is 48213."] {
+            let g = engine
+                .generate(
+                    sid as u64,
+                    vec![Message::new(Role::User, msg)],
+                    p.clone(),
+                    None,
+                )
+                .unwrap();
+            store
+                .append_turns(sid, &turns_from_generation(&g, &p, engine.info()))
+                .unwrap();
+        }
+        engine.close(sid as u64);
+        store
+            .add_feedback(sid, None, "outcome", Some((i % 2) as f64), None)
+            .unwrap();
+        store.end_session(sid).unwrap();
+        ids.push(sid);
+    }
+    let h = head();
+    let value = Adapter::fresh(h.n_embd(), h.n_vocab(), 8, 16.0, 0, "");
+    let sum = annotate_sessions(
+        &mut store,
+        &ids,
+        &value,
+        None,
+        Some(&engine),
+        &AnnotateConfig::default(),
+    )
+    .unwrap();
+    assert_eq!((sum.sessions, sum.turns, sum.info_gain_turns), (4, 8, 8));
+    for &sid in &ids {
+        let rows = store.turn_credit(sid).unwrap();
+        assert_eq!(rows.len(), 2, "one row per assistant turn");
+        for r in &rows {
+            assert_eq!(r.2, Some(0.5), "a fresh value head says 0.5");
+            assert!(
+                r.4.is_some() && r.5.is_some(),
+                "contribution and information gain: {r:?}"
+            );
+        }
+        let last = rows.last().unwrap();
+        let outcome = store.session(sid).unwrap().outcome_reward.unwrap();
+        assert!(
+            (last.4.unwrap() - (outcome - 0.5)).abs() < 1e-6,
+            "last turn: outcome − V"
+        );
+    }
+    let summary: i64 = store
+        .connection()
+        .query_row(
+            "SELECT SUM(assistant_turns) FROM session_summary",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(summary, 8);
+    let mut cfg = TrainConfig::preset(Algo::A2tgpo);
+    cfg.epochs = 1;
+    let r = train(&mut store, &db, None, &cfg).unwrap();
+    assert_eq!(
+        r.diagnostics["process_signal"], "info_gain",
+        "{}",
+        r.diagnostics
+    );
+    for &sid in &ids {
+        assert!(
+            store
+                .turn_credit(sid)
+                .unwrap()
+                .iter()
+                .all(|r| r.6.is_some()),
+            "every turn records its advantage"
+        );
+    }
+    // the CLI renders the credit
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_turnwise"))
+        .env("TURNWISE_DB", &db)
+        .args(["sessions", "show", &ids[1].to_string()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("credit:") && text.contains("advantage"),
+        "{text}"
+    );
+}

@@ -44,6 +44,8 @@ enum Cmd {
     Sessions(sessions::SessionsArgs),
     /// Run one update of the adapter over logged sessions (offline replay)
     Train(Box<train::TrainArgs>),
+    /// Write step-level credit (value before/after, success contribution, information gain)
+    Annotate(train::AnnotateArgs),
     /// List, show, activate or roll back adapter versions
     Adapters(train::AdaptersArgs),
     /// Measure prefill and decode speed: Turnwise's engine against plain llama.cpp
@@ -109,6 +111,7 @@ pub fn main() -> ExitCode {
         Cmd::Bench(a) => bench::run(a, cli.verbose),
         Cmd::Train(a) => train::run(*a, &db),
         Cmd::Adapters(a) => train::adapters(a, &db),
+        Cmd::Annotate(a) => train::annotate(a, &db, cli.verbose),
     };
     match result {
         Ok(code) => code,

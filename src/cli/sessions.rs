@@ -1,5 +1,6 @@
 //! `turnwise sessions list | show ID | stats`.
 
+use std::io::IsTerminal;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -28,6 +29,48 @@ enum SessionsCmd {
     },
     /// Storage used by the log, bytes per sampled token
     Stats,
+}
+
+/// A one-line bar of a turn's contribution: green to the right for positive, red to the left
+/// for negative, 20 cells per unit.
+fn credit_bar(
+    value: Option<f64>,
+    contribution: Option<f64>,
+    advantage: Option<f64>,
+    color: bool,
+) -> String {
+    let Some(c) = contribution else {
+        return format!(
+            "credit: V {}",
+            value
+                .map(|v| format!("{v:.2}"))
+                .unwrap_or_else(|| "-".into())
+        );
+    };
+    let n = ((c.abs() * 20.0).round() as usize).clamp(1, 20);
+    let (bar, pad) = ("█".repeat(n), " ".repeat(20 - n));
+    let (left, right) = if c >= 0.0 {
+        (" ".repeat(20), format!("{bar}{pad}"))
+    } else {
+        (format!("{pad}{bar}"), " ".repeat(20))
+    };
+    let (l, r) = if color {
+        (
+            format!("\x1b[31m{left}\x1b[0m"),
+            format!("\x1b[32m{right}\x1b[0m"),
+        )
+    } else {
+        (left, right)
+    };
+    format!(
+        "credit: {l}|{r} {c:+.3}  V {}  advantage {}",
+        value
+            .map(|v| format!("{v:.2}"))
+            .unwrap_or_else(|| "-".into()),
+        advantage
+            .map(|a| format!("{a:+.3}"))
+            .unwrap_or_else(|| "-".into())
+    )
 }
 
 /// Prints sessions or statistics.
@@ -60,12 +103,19 @@ pub fn run(args: SessionsArgs, db: &Path) -> anyhow::Result<ExitCode> {
         }
         SessionsCmd::Show { id } => {
             let s = store.session(id)?;
+            let color = std::io::stdout().is_terminal();
             println!(
                 "session {id} · {} · group {} · outcome {:?}",
                 s.source,
                 s.group_key.as_deref().unwrap_or("-"),
                 s.outcome_reward
             );
+            let credit: std::collections::HashMap<i64, (Option<f64>, Option<f64>, Option<f64>)> =
+                store
+                    .turn_credit(id)?
+                    .into_iter()
+                    .map(|(idx, _, vb, _, c, ig, adv)| (idx, (vb, c.or(ig), adv)))
+                    .collect();
             for t in store.turns(id)? {
                 let lp = store.token_logprobs(t.id)?;
                 let extra = lp
@@ -73,11 +123,14 @@ pub fn run(args: SessionsArgs, db: &Path) -> anyhow::Result<ExitCode> {
                         let mean = l.logp_behavior.iter().map(|&x| x as f64).sum::<f64>()
                             / l.logp_behavior.len().max(1) as f64;
                         format!(
-                            "  [{} tokens, mean logp {mean:.3}, {}]",
+                            "  [{} tokens, mean logp {mean:.3}, {}, adapter {}]",
                             t.token_ids.len(),
                             t.behavior
                                 .map(|b| format!("{b:?}").to_lowercase())
-                                .unwrap_or_default()
+                                .unwrap_or_default(),
+                            t.adapter_id
+                                .map(|a| a.to_string())
+                                .unwrap_or_else(|| "-".into())
                         )
                     })
                     .unwrap_or_default();
@@ -87,6 +140,9 @@ pub fn run(args: SessionsArgs, db: &Path) -> anyhow::Result<ExitCode> {
                     t.role.as_str(),
                     t.text.replace('\n', "\n            ")
                 );
+                if let Some((v, c, adv)) = credit.get(&t.idx) {
+                    println!("            {}", credit_bar(*v, *c, *adv, color));
+                }
             }
             for f in store.feedback(id)? {
                 println!(

@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::adapter::Adapter;
 use turnwise::assets;
 use turnwise::graph::Device;
+use turnwise::learn::annotate::{annotate_sessions, AnnotateConfig, IgBaseline, IgSpace};
 use turnwise::learn::objective::{Aggregation, ClipMode, Granularity};
 use turnwise::learn::{run_update, AdvantageMode, Algo, Backend, Selection, TrainConfig};
 use turnwise::policy::OutputHead;
@@ -108,6 +109,73 @@ pub struct TrainArgs {
     /// Activate the candidate when the update succeeds
     #[arg(long)]
     activate: bool,
+}
+
+/// Options of `turnwise annotate`.
+#[derive(Args)]
+pub struct AnnotateArgs {
+    /// GGUF model the sessions were logged with [default: the default model]
+    #[arg(long)]
+    model: Option<std::path::PathBuf>,
+    /// Only sessions of this source (live, chat, import, demo)
+    #[arg(long)]
+    source: Option<String>,
+    /// Only sessions created at or after this time (ISO 8601, UTC)
+    #[arg(long)]
+    since: Option<String>,
+    /// At most this many (newest) sessions
+    #[arg(long, default_value_t = 1000)]
+    limit: usize,
+    /// Information gain in log-prob space (default, released code) or probability space (paper)
+    #[arg(long, value_enum, default_value_t = IgSpace::Logprob)]
+    ig_space: IgSpace,
+    /// Baseline of the first turn's information gain
+    #[arg(long, value_enum, default_value_t = IgBaseline::Opening)]
+    ig_baseline: IgBaseline,
+    /// Skip information gain (no model is loaded)
+    #[arg(long)]
+    no_ig: bool,
+}
+
+/// Writes step-level credit for the selected sessions.
+///
+/// # Errors
+/// Store, model and engine errors.
+pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode> {
+    let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
+    let sessions = store.training_sessions(
+        parse_source(args.source.as_deref())?,
+        args.since.as_deref(),
+        false,
+        args.limit,
+    )?;
+    let active = active_adapter(&store)?;
+    let model = assets::resolve_model(args.model.as_deref(), false)?;
+    let head = OutputHead::from_gguf(&model)?;
+    let fresh = Adapter::fresh(head.n_embd(), head.n_vocab(), 8, 16.0, 0, "");
+    let (vid, value) = match &active {
+        Some((id, a)) => (Some(*id), a.as_ref()),
+        None => (None, &fresh),
+    };
+    let needs_ig = !args.no_ig && sessions.iter().any(|s| s.reference.is_some());
+    let engine = if needs_ig {
+        let mut c = turnwise::EngineConfig::new(model);
+        c.verbose = verbose;
+        Some(turnwise::Engine::start(c)?)
+    } else {
+        None
+    };
+    let ids: Vec<i64> = sessions.iter().map(|s| s.id).collect();
+    let cfg = AnnotateConfig {
+        ig_space: args.ig_space,
+        ig_baseline: args.ig_baseline,
+    };
+    let sum = annotate_sessions(&mut store, &ids, value, vid, engine.as_ref(), &cfg)?;
+    println!(
+        "annotated {} sessions: {} assistant turns with success contribution, {} with information gain",
+        sum.sessions, sum.turns, sum.info_gain_turns
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Options of `turnwise adapters`.

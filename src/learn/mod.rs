@@ -2,12 +2,14 @@
 //!
 //! - [`advantages`]: GRPO / Dr.GRPO outcome normalisation, DAPO filtering, A²TGPO turn-level
 //!   advantages — pure functions with hand-computed tests;
+//! - [`annotate`]: step-level credit — value-head success contribution, information gain;
 //! - [`objective`]: the clipped surrogate (token / sequence / turn ratios; fixed / adaptive /
 //!   advantage-scaled clips; four aggregations; TIS; k3 KL) and the output-LoRA backward,
 //!   checked against finite differences;
 //! - [`update`]: one update over the store (`turnwise train`), presets and diagnostics.
 
 pub mod advantages;
+pub mod annotate;
 pub mod objective;
 pub mod update;
 

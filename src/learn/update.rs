@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::graph::step::{OrtStep, StepInputs, StepKind};
 use crate::graph::Device;
 use crate::policy::OutputHead;
-use crate::store::{Source, Store};
+use crate::store::{NewAnnotation, Source, Store};
 
 /// The algorithm presets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -211,6 +211,7 @@ pub struct UpdateReport {
 }
 
 struct TurnData {
+    turn_id: i64,
     /// hash of the context before the turn (the observation, for GiGPO step groups)
     context_key: u64,
     tokens: Vec<usize>,
@@ -222,6 +223,8 @@ struct TurnData {
 
 struct SessionData {
     id: i64,
+    /// no earlier update has used this session
+    unseen: bool,
     group: String,
     outcome: f64,
     turns: Vec<TurnData>,
@@ -306,6 +309,7 @@ fn load_sessions(
                 .map_err(|e| Error::Corrupt(e.to_string()))?;
             turns.push(TurnData {
                 context_key,
+                turn_id: t.id,
                 tokens: t.token_ids.iter().map(|&x| x as usize).collect(),
                 h,
                 logp_behavior: lp.logp_behavior,
@@ -316,6 +320,7 @@ fn load_sessions(
         if !turns.is_empty() {
             out.push(SessionData {
                 id: s.id,
+                unseen: s.learned_at.is_none(),
                 group: s.group_key.clone().unwrap_or_else(|| "batch".into()),
                 outcome,
                 turns,
@@ -479,10 +484,6 @@ pub fn run_update(
         vec![true; sessions.len()]
     };
     let r_hat = group_normalize(&rewards, &groups, !cfg.dr_grpo);
-    // no per-turn process signal yet (step-level credit is a later stage): zero, so process
-    // turns get R̂ and the adaptive clip scale is 1
-    let signal: Vec<Vec<f64>> = sessions.iter().map(|s| vec![0.0; s.turns.len()]).collect();
-    let (a2, ig_hat) = a2tgpo(&signal, &groups, &r_hat, cfg.gamma, cfg.alpha);
     let (rmin, rmax) = rewards
         .iter()
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &r| {
@@ -513,6 +514,89 @@ pub fn run_update(
                 "",
             )
         });
+    // ---- step-level credit: the process signal of A²TGPO ------------------------------------------
+    // information gain when every turn of the session has one (`turnwise annotate` with a
+    // reference), else the success contribution of the parent's value head
+    let state_values: Vec<Vec<f64>> = sessions
+        .iter()
+        .map(|s| {
+            s.turns
+                .iter()
+                .map(|t| current.value(&t.h.row(0).to_vec()) as f64)
+                .collect()
+        })
+        .collect();
+    let mut used_ig = 0usize;
+    let mut signal: Vec<Vec<f64>> = Vec::with_capacity(sessions.len());
+    let mut credit_rows = Vec::new();
+    let value_producer = format!(
+        "value-head:{}",
+        parent
+            .as_ref()
+            .map(|p| p.0.to_string())
+            .unwrap_or_else(|| "fresh".into())
+    );
+    for (s, values) in sessions.iter().zip(&state_values) {
+        let ig: Option<Vec<f64>> = s
+            .turns
+            .iter()
+            .map(|t| {
+                store
+                    .latest_annotation(t.turn_id, "info_gain")
+                    .map(|a| a.map(|x| x.0))
+            })
+            .collect::<Result<Option<Vec<f64>>>>()?;
+        let contrib = super::annotate::success_contribution(values, Some(success(s.outcome)));
+        for (t, (before, after, c)) in s.turns.iter().zip(&contrib) {
+            credit_rows.push(NewAnnotation {
+                turn_id: t.turn_id,
+                kind: "value_before".into(),
+                value: *before,
+                producer: value_producer.clone(),
+            });
+            if let (Some(a), Some(c)) = (after, c) {
+                credit_rows.push(NewAnnotation {
+                    turn_id: t.turn_id,
+                    kind: "value_after".into(),
+                    value: *a,
+                    producer: value_producer.clone(),
+                });
+                credit_rows.push(NewAnnotation {
+                    turn_id: t.turn_id,
+                    kind: "success_contribution".into(),
+                    value: *c,
+                    producer: value_producer.clone(),
+                });
+            }
+        }
+        match ig {
+            Some(ig) => {
+                used_ig += 1;
+                signal.push(ig);
+            }
+            None => signal.push(contrib.iter().map(|c| c.2.unwrap_or(0.0)).collect()),
+        }
+    }
+    if !sft {
+        store.add_annotations(&credit_rows)?;
+    }
+    let (a2, ig_hat) = a2tgpo(&signal, &groups, &r_hat, cfg.gamma, cfg.alpha);
+    // the value head's calibration on sessions no update has seen (held out from the parent)
+    let (mut vp, mut vy) = (Vec::new(), Vec::new());
+    for (s, values) in sessions.iter().zip(&state_values).filter(|(s, _)| s.unseen) {
+        for v in values {
+            vp.push(*v);
+            vy.push(success(s.outcome) >= 0.5);
+        }
+    }
+    let (value_brier, value_auc) = super::annotate::calibration(&vp, &vy);
+    let process_signal = if used_ig == sessions.len() {
+        "info_gain"
+    } else if used_ig > 0 {
+        "info_gain+success_contribution"
+    } else {
+        "success_contribution"
+    };
     let turn_adv: Vec<Vec<f64>> = match cfg.advantage {
         AdvantageMode::A2tgpo => a2,
         AdvantageMode::Outcome => sessions
@@ -895,6 +979,11 @@ pub fn run_update(
         "grouping": if groups.iter().all(|g| g == "batch") { "batch" } else { "group_key" },
         "seconds": secs,
         "backend": format!("{:?}", cfg.backend).to_lowercase(),
+        "advantage": format!("{:?}", cfg.advantage).to_lowercase(),
+        "process_signal": process_signal,
+        "value_brier_heldout": value_brier,
+        "value_auc_heldout": value_auc,
+        "value_heldout_states": vp.len(),
         "device": device_used,
     });
 
@@ -917,6 +1006,25 @@ pub fn run_update(
         &diagnostics,
         "ok",
     )?;
+    // the advantage each turn received in this update
+    if !sft {
+        let producer = format!("update:{update_id}");
+        let rows: Vec<NewAnnotation> = sessions
+            .iter()
+            .zip(&turn_adv)
+            .enumerate()
+            .filter(|(i, _)| keep[*i])
+            .flat_map(|(_, (s, adv))| {
+                s.turns.iter().zip(adv).map(|(t, a)| NewAnnotation {
+                    turn_id: t.turn_id,
+                    kind: "advantage".into(),
+                    value: *a,
+                    producer: producer.clone(),
+                })
+            })
+            .collect();
+        store.add_annotations(&rows)?;
+    }
     let learned: Vec<i64> = minibatches
         .iter()
         .flat_map(|m| m.sessions.iter().map(|&i| sessions[i].id))

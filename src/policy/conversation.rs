@@ -221,6 +221,30 @@ pub fn turn_end_token(model: &Model, template: &str) -> Result<Token> {
         .ok_or_else(|| Error::Template("the model has no end-of-turn token".into()))
 }
 
+/// The template text that opens an assistant message right after a closed assistant message
+/// (chatml: `"\n<|im_start|>assistant\n"`), found by rendering two probe replies.
+///
+/// # Errors
+/// [`Error::Template`] when the rendering does not show the probes in order.
+pub fn assistant_opening(model: &Model, template: &str, turn_end: Token) -> Result<String> {
+    let (p1, p2) = ("TURNWISEPROBEA", "TURNWISEPROBEB");
+    let msgs = [
+        Message::new(Role::User, "x"),
+        Message::new(Role::Assistant, p1),
+        Message::new(Role::Assistant, p2),
+    ];
+    let text = render(template, &msgs, false)?;
+    let end = String::from_utf8_lossy(&model.piece(turn_end, true)).into_owned();
+    let bad = || Error::Template("cannot find how the template opens an assistant message".into());
+    let after = text
+        .find(p1)
+        .map(|i| &text[i + p1.len()..])
+        .ok_or_else(bad)?;
+    let after = after.strip_prefix(end.as_str()).unwrap_or(after);
+    let stop = after.find(p2).ok_or_else(bad)?;
+    Ok(after[..stop].to_string())
+}
+
 /// Turns a stream of token bytes into text without splitting a UTF-8 character across pieces.
 #[derive(Debug, Default)]
 pub struct Utf8Stream {

@@ -174,6 +174,12 @@ enum Command {
         adapter: Option<(i64, Arc<Adapter>)>,
         reply: Reply1<()>,
     },
+    ScoreReference {
+        prefix: Vec<Token>,
+        after_assistant: bool,
+        reference: String,
+        reply: Reply1<f64>,
+    },
 }
 
 /// A cloneable handle to the engine thread.
@@ -326,6 +332,28 @@ impl Engine {
         Self::wait(self.call(|reply| Command::SetAdapter { adapter, reply }))
     }
 
+    /// Teacher-forced score of a ground-truth answer: the mean log-prob of `reference`'s tokens
+    /// as the assistant's reply after the context `prefix` (the frozen policy, adapter off). When
+    /// `prefix` ends with an assistant turn, the template's opening of a new assistant message is
+    /// inserted first. One prefill; used for information gain.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for an empty reference; [`Error::ContextOverflow`]; llama.cpp errors.
+    pub fn score_reference(
+        &self,
+        prefix: Vec<Token>,
+        after_assistant: bool,
+        reference: &str,
+    ) -> Result<f64> {
+        let reference = reference.to_string();
+        Self::wait(self.call(|reply| Command::ScoreReference {
+            prefix,
+            after_assistant,
+            reference,
+            reply,
+        }))
+    }
+
     /// Forgets a session's in-memory state (its log stays in the store).
     pub fn close(&self, session: u64) {
         let _ = self.tx.send(Command::Close { session });
@@ -341,6 +369,8 @@ struct Worker {
     sessions: HashMap<u64, Conversation>,
     /// the token that closes an assistant message in the template
     turn_end: Token,
+    /// template text that opens an assistant message right after a closed one
+    assistant_opening: String,
     /// ggml type hidden states are rounded through (the output matmul's activation type)
     act_type: u32,
     /// end-of-generation tokens (masked when `ignore_eog`)
@@ -377,6 +407,8 @@ impl Worker {
         super::conversation::render(&template, &[Message::new(Role::User, "hi")], true)?;
         let (_, act_type) = output_types(&cfg.model)?;
         let turn_end = super::conversation::turn_end_token(&model, &template)?;
+        let assistant_opening =
+            super::conversation::assistant_opening(&model, &template, turn_end)?;
         let info = ModelInfo {
             path: cfg.model.clone(),
             name: model
@@ -394,6 +426,7 @@ impl Worker {
             .filter(|&t| model.is_eog(t))
             .collect();
         Ok(Worker {
+            assistant_opening,
             turn_end,
             act_type,
             eog,
@@ -447,6 +480,14 @@ impl Worker {
                 }
                 Command::Close { session } => {
                     self.sessions.remove(&session);
+                }
+                Command::ScoreReference {
+                    prefix,
+                    after_assistant,
+                    reference,
+                    reply,
+                } => {
+                    let _ = reply.send(self.score_reference(prefix, after_assistant, &reference));
                 }
                 Command::SetAdapter { adapter, reply } => {
                     self.adapter = adapter;
@@ -663,6 +704,28 @@ impl Worker {
             adapter_id: adapter.map(|(id, _)| id),
         };
         Ok((conv, reply))
+    }
+
+    fn score_reference(
+        &mut self,
+        mut tokens: Vec<Token>,
+        after_assistant: bool,
+        reference: &str,
+    ) -> Result<f64> {
+        if after_assistant {
+            tokens.extend(self.model.tokenize(&self.assistant_opening, false, true)?);
+        }
+        let start = tokens.len();
+        tokens.extend(self.model.tokenize(reference, false, false)?);
+        if tokens.len() == start || start == 0 {
+            return Err(Error::Invalid(
+                "an empty reference or context cannot be scored".into(),
+            ));
+        }
+        let positions: Vec<usize> = (start..tokens.len()).collect();
+        // the frozen policy: no adapter is involved in rescoring
+        let r = self.rescore(&tokens, &positions)?;
+        Ok(r.logp.iter().map(|&x| x as f64).sum::<f64>() / r.logp.len() as f64)
     }
 
     fn rescore(&mut self, tokens: &[Token], positions: &[usize]) -> Result<Rescored> {

@@ -34,7 +34,24 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0003_adapter_activation.sql",
         include_str!("../../migrations/0003_adapter_activation.sql"),
     ),
+    (
+        "0004_turn_credit.sql",
+        include_str!("../../migrations/0004_turn_credit.sql"),
+    ),
 ];
+
+/// One annotation to write.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewAnnotation {
+    /// the turn
+    pub turn_id: i64,
+    /// value_before | value_after | success_contribution | info_gain | advantage
+    pub kind: String,
+    /// the value
+    pub value: f64,
+    /// what produced it (`value-head:<adapter id>`, `policy-frozen`, `update:<id>`)
+    pub producer: String,
+}
 
 /// A registered adapter version.
 #[derive(Debug, Clone, Serialize)]
@@ -570,6 +587,83 @@ impl Store {
                 value: r.get(2)?,
                 note: r.get(3)?,
             })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Writes annotations in one transaction.
+    ///
+    /// # Errors
+    /// SQLite errors (nothing is written then); [`Error::Invalid`] for a non-finite value.
+    pub fn add_annotations(&mut self, rows: &[NewAnnotation]) -> Result<()> {
+        if let Some(bad) = rows.iter().find(|r| !r.value.is_finite()) {
+            return Err(Error::Invalid(format!(
+                "annotation {} of turn {} is not finite",
+                bad.kind, bad.turn_id
+            )));
+        }
+        let tx = self.conn.transaction()?;
+        {
+            let mut st = tx.prepare(
+                "INSERT INTO annotations (turn_id, kind, value, producer) VALUES (?1, ?2, ?3, ?4)",
+            )?;
+            for r in rows {
+                st.execute(params![r.turn_id, r.kind, r.value, r.producer])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The latest annotation of one kind for a turn: `(value, producer)`.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn latest_annotation(&self, turn_id: i64, kind: &str) -> Result<Option<(f64, String)>> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT value, producer FROM annotations WHERE turn_id = ?1 AND kind = ?2 ORDER BY id DESC LIMIT 1",
+                params![turn_id, kind],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?)
+    }
+
+    /// Rows of the `turn_credit` view for a session:
+    /// `(turn_idx, snippet, value_before, value_after, contribution, info_gain, advantage)`.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    #[allow(clippy::type_complexity)]
+    pub fn turn_credit(
+        &self,
+        session_id: i64,
+    ) -> Result<
+        Vec<(
+            i64,
+            String,
+            Option<f64>,
+            Option<f64>,
+            Option<f64>,
+            Option<f64>,
+            Option<f64>,
+        )>,
+    > {
+        let mut st = self.conn.prepare(
+            "SELECT turn_idx, snippet, value_before, value_after, contribution, info_gain, advantage
+             FROM turn_credit WHERE session_id = ?1 ORDER BY turn_idx",
+        )?;
+        let rows = st.query_map([session_id], |r| {
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                r.get(2)?,
+                r.get(3)?,
+                r.get(4)?,
+                r.get(5)?,
+                r.get(6)?,
+            ))
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }

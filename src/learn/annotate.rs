@@ -1,0 +1,281 @@
+//! Step-level credit (ALGORITHMS.md §2): how much each assistant turn moved its session toward
+//! success, written to `annotations` so that it is a queryable fact (`turn_credit` view) and the
+//! process signal of A²TGPO.
+//!
+//! - success contribution: `c_t = V(s_{t+1}) − V(s_t)` with the value head, `V(s_{T+1})` the
+//!   outcome (in [0, 1]) of a finished session;
+//! - information gain, when a ground truth exists: `ig_t = p_t − p_{t−1}` with `p_t` the
+//!   teacher-forced mean log-prob of the reference after turn `t` under the frozen policy.
+
+use serde::{Deserialize, Serialize};
+
+use crate::adapter::Adapter;
+use crate::error::Result;
+use crate::policy::Engine;
+use crate::store::{NewAnnotation, Store};
+use crate::Role;
+
+/// `p_t` in log-prob space (default, as the released code) or probability space (the paper).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum IgSpace {
+    /// mean log-prob
+    Logprob,
+    /// `exp` of the mean log-prob
+    Prob,
+}
+
+/// What the first turn's gain is measured against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum IgBaseline {
+    /// `p_0` scored on the opening context (paper)
+    Opening,
+    /// the first turn gets 0 (released code)
+    FirstTurn,
+}
+
+/// `(value_before, value_after, contribution)` per assistant turn. `values[t] = V(s_t)`;
+/// after the last turn the outcome (clamped to [0, 1]) when the session is finished, else the
+/// last turn has no `value_after`.
+pub fn success_contribution(
+    values: &[f64],
+    outcome: Option<f64>,
+) -> Vec<(f64, Option<f64>, Option<f64>)> {
+    (0..values.len())
+        .map(|t| {
+            let after = if t + 1 < values.len() {
+                Some(values[t + 1])
+            } else {
+                outcome.map(|o| o.clamp(0.0, 1.0))
+            };
+            (values[t], after, after.map(|a| a - values[t]))
+        })
+        .collect()
+}
+
+/// Information gain per turn from `p[0..=T]` (`p[0]` on the opening context, `p[t]` after turn
+/// `t`).
+pub fn information_gain(p: &[f64], space: IgSpace, baseline: IgBaseline) -> Vec<f64> {
+    let q: Vec<f64> = match space {
+        IgSpace::Logprob => p.to_vec(),
+        IgSpace::Prob => p.iter().map(|x| x.exp()).collect(),
+    };
+    (1..q.len())
+        .map(|t| {
+            if t == 1 && baseline == IgBaseline::FirstTurn {
+                0.0
+            } else {
+                q[t] - q[t - 1]
+            }
+        })
+        .collect()
+}
+
+/// Settings of an annotation pass.
+#[derive(Debug, Clone)]
+pub struct AnnotateConfig {
+    /// information-gain space
+    pub ig_space: IgSpace,
+    /// information-gain baseline
+    pub ig_baseline: IgBaseline,
+}
+
+impl Default for AnnotateConfig {
+    fn default() -> Self {
+        AnnotateConfig {
+            ig_space: IgSpace::Logprob,
+            ig_baseline: IgBaseline::Opening,
+        }
+    }
+}
+
+/// What an annotation pass wrote.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct AnnotateSummary {
+    /// sessions annotated
+    pub sessions: usize,
+    /// assistant turns that got a success contribution
+    pub turns: usize,
+    /// assistant turns that got an information gain
+    pub info_gain_turns: usize,
+}
+
+/// Annotates sessions: value head `value_head` (its id in `producer_id`) for the success
+/// contribution, and, when `engine` is given, the frozen policy for the information gain of
+/// sessions with a reference.
+///
+/// # Errors
+/// Store and engine errors; annotations of a session are written in one transaction.
+pub fn annotate_sessions(
+    store: &mut Store,
+    session_ids: &[i64],
+    value_head: &Adapter,
+    producer_id: Option<i64>,
+    engine: Option<&Engine>,
+    cfg: &AnnotateConfig,
+) -> Result<AnnotateSummary> {
+    let producer = format!(
+        "value-head:{}",
+        producer_id
+            .map(|i| i.to_string())
+            .unwrap_or_else(|| "fresh".into())
+    );
+    let mut sum = AnnotateSummary::default();
+    for &sid in session_ids {
+        let s = store.session(sid)?;
+        let turns = store.turns(sid)?;
+        let mut rows = Vec::new();
+        // value of the state before each assistant turn: its first sampling position
+        let mut states = Vec::new();
+        for t in turns.iter().filter(|t| t.role == Role::Assistant) {
+            if let Some(f) = store.features(t.id)? {
+                states.push((t.id, value_head.value(&f.values[..f.n_embd]) as f64));
+            }
+        }
+        let outcome = s.ended_at.as_ref().and(s.outcome_reward);
+        let values: Vec<f64> = states.iter().map(|s| s.1).collect();
+        for ((turn_id, _), (before, after, c)) in
+            states.iter().zip(success_contribution(&values, outcome))
+        {
+            let mut push = |kind: &str, v: f64| {
+                rows.push(NewAnnotation {
+                    turn_id: *turn_id,
+                    kind: kind.into(),
+                    value: v,
+                    producer: producer.clone(),
+                })
+            };
+            push("value_before", before);
+            if let (Some(a), Some(c)) = (after, c) {
+                push("value_after", a);
+                push("success_contribution", c);
+            }
+        }
+        sum.turns += states.len();
+        if let (Some(engine), Some(reference)) = (
+            engine,
+            s.reference.as_deref().filter(|r| !r.trim().is_empty()),
+        ) {
+            // p_0 on the opening context, p_t after each assistant turn
+            let mut context: Vec<i32> = Vec::new();
+            let mut p = Vec::new();
+            let mut ids = Vec::new();
+            for t in &turns {
+                if t.role == Role::Assistant && p.is_empty() {
+                    p.push(engine.score_reference(context.clone(), false, reference)?);
+                }
+                context.extend_from_slice(&t.token_ids);
+                if t.role == Role::Assistant {
+                    p.push(engine.score_reference(context.clone(), true, reference)?);
+                    ids.push(t.id);
+                }
+            }
+            for (id, ig) in ids
+                .iter()
+                .zip(information_gain(&p, cfg.ig_space, cfg.ig_baseline))
+            {
+                rows.push(NewAnnotation {
+                    turn_id: *id,
+                    kind: "info_gain".into(),
+                    value: ig,
+                    producer: "policy-frozen".into(),
+                });
+            }
+            sum.info_gain_turns += ids.len();
+        }
+        store.add_annotations(&rows)?;
+        sum.sessions += 1;
+    }
+    Ok(sum)
+}
+
+/// Brier score and ROC AUC of probabilities `p` against binary labels `y` (AUC by ranks, ties
+/// counted half; `None` when one class is missing).
+pub fn calibration(p: &[f64], y: &[bool]) -> (f64, Option<f64>) {
+    let brier = p
+        .iter()
+        .zip(y)
+        .map(|(p, &y)| (p - f64::from(u8::from(y))).powi(2))
+        .sum::<f64>()
+        / p.len().max(1) as f64;
+    let pos: Vec<f64> = p
+        .iter()
+        .zip(y)
+        .filter(|(_, &y)| y)
+        .map(|(p, _)| *p)
+        .collect();
+    let neg: Vec<f64> = p
+        .iter()
+        .zip(y)
+        .filter(|(_, &y)| !y)
+        .map(|(p, _)| *p)
+        .collect();
+    if pos.is_empty() || neg.is_empty() {
+        return (brier, None);
+    }
+    let mut wins = 0.0;
+    for a in &pos {
+        for b in &neg {
+            wins += if a > b {
+                1.0
+            } else if a == b {
+                0.5
+            } else {
+                0.0
+            };
+        }
+    }
+    (brier, Some(wins / (pos.len() * neg.len()) as f64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn success_contribution_by_hand() {
+        let c = success_contribution(&[0.2, 0.5, 0.4], Some(1.0));
+        assert_eq!(c[0], (0.2, Some(0.5), Some(0.3)));
+        assert!((c[1].2.unwrap() + 0.1).abs() < 1e-12);
+        assert!(
+            (c[2].2.unwrap() - 0.6).abs() < 1e-12,
+            "the last turn is measured against the outcome"
+        );
+        let open = success_contribution(&[0.2, 0.5], None);
+        assert_eq!(
+            open[1],
+            (0.5, None, None),
+            "an unfinished session has no final contribution"
+        );
+        assert_eq!(
+            success_contribution(&[0.5], Some(7.0))[0].1,
+            Some(1.0),
+            "outcomes are clamped to [0, 1]"
+        );
+    }
+
+    #[test]
+    fn information_gain_by_hand() {
+        let p = [-3.0, -2.0, -2.5];
+        assert_eq!(
+            information_gain(&p, IgSpace::Logprob, IgBaseline::Opening),
+            vec![1.0, -0.5]
+        );
+        assert_eq!(
+            information_gain(&p, IgSpace::Logprob, IgBaseline::FirstTurn),
+            vec![0.0, -0.5]
+        );
+        let q = information_gain(&p, IgSpace::Prob, IgBaseline::Opening);
+        assert!((q[0] - ((-2f64).exp() - (-3f64).exp())).abs() < 1e-12);
+    }
+
+    #[test]
+    fn calibration_by_hand() {
+        let (brier, auc) = calibration(&[0.9, 0.6, 0.4, 0.1], &[true, false, true, false]);
+        // (0.01 + 0.36 + 0.36 + 0.01) / 4; pairs (pos, neg): 0.9>0.6, 0.9>0.1, 0.4<0.6, 0.4>0.1 -> 3/4
+        assert!((brier - 0.185).abs() < 1e-12);
+        assert_eq!(auc, Some(0.75));
+        assert_eq!(calibration(&[0.3], &[true]).1, None);
+    }
+}
