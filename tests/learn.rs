@@ -496,16 +496,16 @@ fn step_level_credit_is_annotated_queryable_and_feeds_a2tgpo() {
         let rows = store.turn_credit(sid).unwrap();
         assert_eq!(rows.len(), 2, "one row per assistant turn");
         for r in &rows {
-            assert_eq!(r.2, Some(0.5), "a fresh value head says 0.5");
+            assert_eq!(r.value_before, Some(0.5), "a fresh value head says 0.5");
             assert!(
-                r.4.is_some() && r.5.is_some(),
+                r.contribution.is_some() && r.info_gain.is_some(),
                 "contribution and information gain: {r:?}"
             );
         }
         let last = rows.last().unwrap();
         let outcome = store.session(sid).unwrap().outcome_reward.unwrap();
         assert!(
-            (last.4.unwrap() - (outcome - 0.5)).abs() < 1e-6,
+            (last.contribution.unwrap() - (outcome - 0.5)).abs() < 1e-6,
             "last turn: outcome − V"
         );
     }
@@ -532,7 +532,7 @@ fn step_level_credit_is_annotated_queryable_and_feeds_a2tgpo() {
                 .turn_credit(sid)
                 .unwrap()
                 .iter()
-                .all(|r| r.6.is_some()),
+                .all(|r| r.advantage.is_some()),
             "every turn records its advantage"
         );
     }

@@ -110,12 +110,11 @@ pub fn run(args: SessionsArgs, db: &Path) -> anyhow::Result<ExitCode> {
                 s.group_key.as_deref().unwrap_or("-"),
                 s.outcome_reward
             );
-            let credit: std::collections::HashMap<i64, (Option<f64>, Option<f64>, Option<f64>)> =
-                store
-                    .turn_credit(id)?
-                    .into_iter()
-                    .map(|(idx, _, vb, _, c, ig, adv)| (idx, (vb, c.or(ig), adv)))
-                    .collect();
+            let credit: std::collections::HashMap<i64, turnwise::store::TurnCredit> = store
+                .turn_credit(id)?
+                .into_iter()
+                .map(|c| (c.turn_idx, c))
+                .collect();
             for t in store.turns(id)? {
                 let lp = store.token_logprobs(t.id)?;
                 let extra = lp
@@ -140,8 +139,16 @@ pub fn run(args: SessionsArgs, db: &Path) -> anyhow::Result<ExitCode> {
                     t.role.as_str(),
                     t.text.replace('\n', "\n            ")
                 );
-                if let Some((v, c, adv)) = credit.get(&t.idx) {
-                    println!("            {}", credit_bar(*v, *c, *adv, color));
+                if let Some(c) = credit.get(&t.idx) {
+                    println!(
+                        "            {}",
+                        credit_bar(
+                            c.value_before,
+                            c.contribution.or(c.info_gain),
+                            c.advantage,
+                            color
+                        )
+                    );
                 }
             }
             for f in store.feedback(id)? {

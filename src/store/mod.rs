@@ -40,6 +40,25 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ),
 ];
 
+/// One row of the `turn_credit` view.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TurnCredit {
+    /// index of the turn in its session
+    pub turn_idx: i64,
+    /// the first 60 characters
+    pub snippet: String,
+    /// V(s_t)
+    pub value_before: Option<f64>,
+    /// V(s_{t+1}), or the outcome after the last turn
+    pub value_after: Option<f64>,
+    /// success contribution
+    pub contribution: Option<f64>,
+    /// information gain
+    pub info_gain: Option<f64>,
+    /// the advantage of the last update that used the turn
+    pub advantage: Option<f64>,
+}
+
 /// One annotation to write.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewAnnotation {
@@ -630,40 +649,25 @@ impl Store {
             .optional()?)
     }
 
-    /// Rows of the `turn_credit` view for a session:
-    /// `(turn_idx, snippet, value_before, value_after, contribution, info_gain, advantage)`.
+    /// Rows of the `turn_credit` view for a session, in turn order.
     ///
     /// # Errors
     /// SQLite errors.
-    #[allow(clippy::type_complexity)]
-    pub fn turn_credit(
-        &self,
-        session_id: i64,
-    ) -> Result<
-        Vec<(
-            i64,
-            String,
-            Option<f64>,
-            Option<f64>,
-            Option<f64>,
-            Option<f64>,
-            Option<f64>,
-        )>,
-    > {
+    pub fn turn_credit(&self, session_id: i64) -> Result<Vec<TurnCredit>> {
         let mut st = self.conn.prepare(
             "SELECT turn_idx, snippet, value_before, value_after, contribution, info_gain, advantage
              FROM turn_credit WHERE session_id = ?1 ORDER BY turn_idx",
         )?;
         let rows = st.query_map([session_id], |r| {
-            Ok((
-                r.get(0)?,
-                r.get(1)?,
-                r.get(2)?,
-                r.get(3)?,
-                r.get(4)?,
-                r.get(5)?,
-                r.get(6)?,
-            ))
+            Ok(TurnCredit {
+                turn_idx: r.get(0)?,
+                snippet: r.get(1)?,
+                value_before: r.get(2)?,
+                value_after: r.get(3)?,
+                contribution: r.get(4)?,
+                info_gain: r.get(5)?,
+                advantage: r.get(6)?,
+            })
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
