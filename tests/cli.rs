@@ -247,3 +247,77 @@ fn a_file_that_is_not_a_gguf_model_is_a_clear_error() {
         show(&out)
     );
 }
+
+/// The offline-replay workflow through the binary: import → train (SFT) → activate → chat with
+/// the adapter → annotate → train (RL) → rollback.
+#[test]
+fn import_train_activate_chat_and_roll_back_through_the_cli() {
+    let dir = tempdir();
+    let db = dir.path().join("flow.db");
+    let file = dir.path().join("demos.jsonl");
+    let mut lines = String::new();
+    for i in 0..12 {
+        let id = 20000 + i * 7;
+        lines.push_str(&format!(
+            "{{\"messages\":[{{\"role\":\"user\",\"content\":\"Refund order {id} please.\"}},{{\"role\":\"assistant\",\"content\":\"ACTION refund {id}\"}}],\"outcome\":{},\"reference\":\"ACTION refund {id}\"}}\n",
+            i % 2
+        ));
+    }
+    std::fs::write(&file, lines).unwrap();
+    let run = |args: &[&str]| {
+        let out = turnwise(&db)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "turnwise {args:?}\n{}", show(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    run(&["import", file.to_str().unwrap()]);
+    let out = run(&["train", "--algo", "sft", "--epochs", "3", "--activate"]);
+    assert!(out.contains("adapter 1 is active"), "{out}");
+    assert!(run(&["adapters", "list"]).contains("active"));
+    // chat samples with the active adapter and stamps it on the turn
+    let mut child = turnwise(&db)
+        .args(["chat", "--max-tokens", "8", "--seed", "2"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Refund order 31337 please.\n/resolved\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let store = Store::open(&db).unwrap();
+    let chat = store
+        .sessions(Some(turnwise::store::Source::Chat), 1)
+        .unwrap()[0]
+        .id;
+    let reply = store
+        .turns(chat)
+        .unwrap()
+        .into_iter()
+        .find(|t| t.role == turnwise::Role::Assistant)
+        .unwrap();
+    assert_eq!(reply.adapter_id, Some(1), "{}", show(&out));
+    drop(store);
+    let out = run(&["annotate", "--fit-value", "--value-steps", "50"]);
+    assert!(
+        out.contains("with information gain") && out.contains("value head fitted"),
+        "{out}"
+    );
+    let out = run(&[
+        "train", "--algo", "grpo", "--epochs", "1", "--source", "import",
+    ]);
+    assert!(out.contains("\"process_signal\""), "{out}");
+    assert!(run(&["adapters", "rollback"]).contains("no adapter is active"));
+    // nothing was lost on the way
+    let store = Store::open(&db).unwrap();
+    assert_eq!(store.sessions(None, 100).unwrap().len(), 13);
+    assert_eq!(store.adapters().unwrap().len(), 3, "sft, value fit, grpo");
+}

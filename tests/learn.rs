@@ -170,6 +170,21 @@ fn a_trained_adapter_is_reproduced_from_stored_features() {
     assert!(d["logp_old_vs_full_mean"].as_f64().unwrap() < 1e-3, "{d}");
     assert!(d["first_ratio_max_dev"].as_f64().unwrap() < 1e-6, "{d}");
     assert_eq!(
+        d["grouping"], "opening_clusters",
+        "chat sessions have no group key: {d}"
+    );
+    let keys: Vec<Option<String>> = store
+        .sessions(None, 10)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.group_key)
+        .collect();
+    assert!(
+        keys.iter()
+            .all(|k| k.as_deref().is_some_and(|k| k.starts_with("cluster:"))),
+        "{keys:?}"
+    );
+    assert_eq!(
         store.adapter(r.adapter_id.unwrap()).unwrap().status,
         "candidate"
     );

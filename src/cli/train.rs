@@ -135,6 +135,13 @@ pub struct AnnotateArgs {
     /// Skip information gain (no model is loaded)
     #[arg(long)]
     no_ig: bool,
+    /// First fit the value head on finished sessions (every fifth held out for its Brier score
+    /// and AUC) and save it as a new candidate adapter version
+    #[arg(long)]
+    fit_value: bool,
+    /// Full-batch Adam steps of `--fit-value`
+    #[arg(long, default_value_t = 200)]
+    value_steps: usize,
 }
 
 /// Writes step-level credit for the selected sessions.
@@ -153,10 +160,40 @@ pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<
     let model = assets::resolve_model(args.model.as_deref(), false)?;
     let head = OutputHead::from_gguf(&model)?;
     let fresh = Adapter::fresh(head.n_embd(), head.n_vocab(), 8, 16.0, 0, "");
-    let (vid, value) = match &active {
-        Some((id, a)) => (Some(*id), a.as_ref()),
-        None => (None, &fresh),
+    let (mut vid, mut value) = match &active {
+        Some((id, a)) => (Some(*id), a.as_ref().clone()),
+        None => (None, fresh),
     };
+    let ids: Vec<i64> = sessions.iter().map(|s| s.id).collect();
+    if args.fit_value {
+        let fit = turnwise::learn::annotate::fit_value_head(
+            &store,
+            &ids,
+            &mut value,
+            args.value_steps,
+            1e-2,
+        )?;
+        let id = store.register_adapter(vid, |id| {
+            turnwise::adapter::adapter_dir(db, id)
+                .to_string_lossy()
+                .into_owned()
+        })?;
+        value.save(&turnwise::adapter::adapter_dir(db, id))?;
+        let metrics = serde_json::to_value(&fit)?;
+        store.set_adapter_status(id, "candidate", Some(&metrics))?;
+        store.record_update(
+            Some(id),
+            "value",
+            &serde_json::json!({"steps": args.value_steps}),
+            &metrics,
+            "ok",
+        )?;
+        println!(
+            "value head fitted into candidate adapter {id}: {}",
+            serde_json::to_string(&fit)?
+        );
+        vid = Some(id);
+    }
     let needs_ig = !args.no_ig && sessions.iter().any(|s| s.reference.is_some());
     let engine = if needs_ig {
         let mut c = turnwise::EngineConfig::new(model);
@@ -165,12 +202,11 @@ pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<
     } else {
         None
     };
-    let ids: Vec<i64> = sessions.iter().map(|s| s.id).collect();
     let cfg = AnnotateConfig {
         ig_space: args.ig_space,
         ig_baseline: args.ig_baseline,
     };
-    let sum = annotate_sessions(&mut store, &ids, value, vid, engine.as_ref(), &cfg)?;
+    let sum = annotate_sessions(&mut store, &ids, &value, vid, engine.as_ref(), &cfg)?;
     println!(
         "annotated {} sessions: {} assistant turns with success contribution, {} with information gain",
         sum.sessions, sum.turns, sum.info_gain_turns

@@ -279,3 +279,101 @@ mod tests {
         assert_eq!(calibration(&[0.3], &[true]).1, None);
     }
 }
+
+/// What a standalone value-head fit measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct ValueFit {
+    /// states (assistant turns) trained on
+    pub train_states: usize,
+    /// held-out states (every fifth session)
+    pub heldout_states: usize,
+    /// Brier score on held-out states before and after
+    pub brier_before: f64,
+    /// after
+    pub brier_after: f64,
+    /// AUC on held-out states before and after (None: one class only)
+    pub auc_before: Option<f64>,
+    /// after
+    pub auc_after: Option<f64>,
+}
+
+/// Fits the value head of `adapter` (BCE on the outcome, mapped to success ≥ 0.5, full-batch
+/// Adam) on the states of finished sessions, holding out every fifth session for the report.
+/// Only the value head changes.
+///
+/// # Errors
+/// Store errors; [`crate::Error::Invalid`] without usable sessions.
+pub fn fit_value_head(
+    store: &Store,
+    session_ids: &[i64],
+    adapter: &mut Adapter,
+    epochs: usize,
+    lr: f64,
+) -> Result<ValueFit> {
+    let (mut train, mut held) = (Vec::new(), Vec::new());
+    for (k, &sid) in session_ids.iter().enumerate() {
+        let s = store.session(sid)?;
+        let Some(o) = s.outcome_reward.filter(|_| s.ended_at.is_some()) else {
+            continue;
+        };
+        let y = o >= 0.5;
+        for t in store
+            .turns(sid)?
+            .into_iter()
+            .filter(|t| t.role == Role::Assistant)
+        {
+            if let Some(f) = store.features(t.id)? {
+                let h = f.values[..f.n_embd].to_vec();
+                if k % 5 == 4 {
+                    held.push((h, y))
+                } else {
+                    train.push((h, y))
+                }
+            }
+        }
+    }
+    if train.is_empty() {
+        return Err(crate::Error::Invalid(
+            "no finished sessions with an outcome and features".into(),
+        ));
+    }
+    let eval = |a: &Adapter| {
+        let p: Vec<f64> = held.iter().map(|(h, _)| a.value(h) as f64).collect();
+        let y: Vec<bool> = held.iter().map(|(_, y)| *y).collect();
+        calibration(&p, &y)
+    };
+    let (brier_before, auc_before) = eval(adapter);
+    let d = adapter.n_embd();
+    let (mut m, mut v) = (vec![0f64; d + 1], vec![0f64; d + 1]);
+    for step in 1..=epochs.max(1) {
+        let mut g = vec![0f64; d + 1];
+        for (h, y) in &train {
+            let e = adapter.value(h) as f64 - f64::from(u8::from(*y));
+            for (gi, x) in g.iter_mut().zip(h) {
+                *gi += e * *x as f64;
+            }
+            g[d] += e;
+        }
+        for (i, gi) in g.iter().enumerate() {
+            let gi = gi / train.len() as f64;
+            m[i] = 0.9 * m[i] + 0.1 * gi;
+            v[i] = 0.999 * v[i] + 0.001 * gi * gi;
+            let upd = lr * (m[i] / (1.0 - 0.9f64.powi(step as i32)))
+                / ((v[i] / (1.0 - 0.999f64.powi(step as i32))).sqrt() + 1e-8);
+            if i < d {
+                adapter.value_w[i] -= upd as f32;
+            } else {
+                adapter.value_b -= upd as f32;
+            }
+        }
+    }
+    let (brier_after, auc_after) = eval(adapter);
+    Ok(ValueFit {
+        train_states: train.len(),
+        heldout_states: held.len(),
+        brier_before,
+        brier_after,
+        auc_before,
+        auc_after,
+    })
+}

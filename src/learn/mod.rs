@@ -3,6 +3,7 @@
 //! - [`advantages`]: GRPO / Dr.GRPO outcome normalisation, DAPO filtering, A²TGPO turn-level
 //!   advantages — pure functions with hand-computed tests;
 //! - [`annotate`]: step-level credit — value-head success contribution, information gain;
+//! - [`groups`]: group keys for live traffic by leader clustering of opening states;
 //! - [`objective`]: the clipped surrogate (token / sequence / turn ratios; fixed / adaptive /
 //!   advantage-scaled clips; four aggregations; TIS; k3 KL) and the output-LoRA backward,
 //!   checked against finite differences;
@@ -10,6 +11,7 @@
 
 pub mod advantages;
 pub mod annotate;
+pub mod groups;
 pub mod objective;
 pub mod update;
 

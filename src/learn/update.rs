@@ -105,6 +105,9 @@ pub struct TrainConfig {
     pub seed: u64,
     /// SFT: only sessions with at least this outcome
     pub sft_min_outcome: Option<f64>,
+    /// sessions without a group key are grouped by leader clustering of their opening states at
+    /// this cosine similarity (None: one batch-wide group)
+    pub cluster_threshold: Option<f64>,
     /// step engine
     pub backend: Backend,
     /// ONNX Runtime device
@@ -181,6 +184,7 @@ impl TrainConfig {
             value_coef: 0.5,
             seed: 0,
             sft_min_outcome: None,
+            cluster_threshold: Some(0.9),
             backend: Backend::Ort,
             device: Device::Cpu,
             threads: 2,
@@ -223,6 +227,8 @@ struct TurnData {
 
 struct SessionData {
     id: i64,
+    /// the session had no group key
+    keyless: bool,
     /// no earlier update has used this session
     unseen: bool,
     group: String,
@@ -320,6 +326,7 @@ fn load_sessions(
         if !turns.is_empty() {
             out.push(SessionData {
                 id: s.id,
+                keyless: s.group_key.is_none(),
                 unseen: s.learned_at.is_none(),
                 group: s.group_key.clone().unwrap_or_else(|| "batch".into()),
                 outcome,
@@ -475,6 +482,33 @@ pub fn run_update(
                 .into(),
         ));
     }
+    // ---- groups: live sessions without a key are clustered by their opening state ------------
+    let mut sessions = sessions;
+    let ungrouped: Vec<usize> = (0..sessions.len())
+        .filter(|&i| sessions[i].keyless)
+        .collect();
+    let grouping = match cfg.cluster_threshold {
+        Some(th) if !ungrouped.is_empty() && !sft => {
+            let openings: Vec<(i64, Vec<f32>)> = ungrouped
+                .iter()
+                .map(|&i| (sessions[i].id, sessions[i].turns[0].h.row(0).to_vec()))
+                .collect();
+            super::groups::assign_group_keys(store, &openings, th)?;
+            for &i in &ungrouped {
+                if let Some(k) = store.session(sessions[i].id)?.group_key {
+                    sessions[i].group = k;
+                }
+            }
+            if ungrouped.len() == sessions.len() {
+                "opening_clusters"
+            } else {
+                "group_key+opening_clusters"
+            }
+        }
+        _ if ungrouped.len() == sessions.len() => "batch",
+        _ if ungrouped.is_empty() => "group_key",
+        _ => "group_key+batch",
+    };
     // ---- advantages (outcome, then per turn) -------------------------------------------------
     let rewards: Vec<f64> = sessions.iter().map(|s| s.outcome).collect();
     let groups: Vec<String> = sessions.iter().map(|s| s.group.clone()).collect();
@@ -976,7 +1010,7 @@ pub fn run_update(
         "logp_old_vs_behavior_mean": gap_behavior.0 / n_gap.max(1) as f64,
         "logp_old_vs_behavior_max": gap_behavior.1,
         "turn_entropy": ent_sum / ent_n.max(1) as f64,
-        "grouping": if groups.iter().all(|g| g == "batch") { "batch" } else { "group_key" },
+        "grouping": grouping,
         "seconds": secs,
         "backend": format!("{:?}", cfg.backend).to_lowercase(),
         "advantage": format!("{:?}", cfg.advantage).to_lowercase(),

@@ -38,6 +38,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0004_turn_credit.sql",
         include_str!("../../migrations/0004_turn_credit.sql"),
     ),
+    (
+        "0005_opening_clusters.sql",
+        include_str!("../../migrations/0005_opening_clusters.sql"),
+    ),
 ];
 
 /// One row of the `turn_credit` view.
@@ -670,6 +674,69 @@ impl Store {
             })
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// All opening-state clusters: `(id, prototype, members)`.
+    ///
+    /// # Errors
+    /// SQLite errors; [`Error::Corrupt`].
+    pub fn opening_clusters(&self) -> Result<Vec<(i64, Vec<f32>, i64)>> {
+        let mut st = self
+            .conn
+            .prepare("SELECT id, prototype, members FROM opening_clusters ORDER BY id")?;
+        let rows = st.query_map([], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, Vec<u8>>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
+        })?;
+        rows.map(|r| {
+            let (id, b, n) = r?;
+            Ok((id, from_f32_blob(&b)?, n))
+        })
+        .collect()
+    }
+
+    /// Saves clusters (new ones get ids) and sets the group key of sessions, in one
+    /// transaction. `clusters`: `(id or None, prototype, members)`; `assign`: `(session, index
+    /// into clusters)`. Returns the cluster ids.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn save_opening_clusters(
+        &mut self,
+        clusters: &[(Option<i64>, Vec<f32>, i64)],
+        assign: &[(i64, usize)],
+    ) -> Result<Vec<i64>> {
+        let tx = self.conn.transaction()?;
+        let mut ids = Vec::with_capacity(clusters.len());
+        for (id, proto, n) in clusters {
+            match id {
+                Some(id) => {
+                    tx.execute(
+                        "UPDATE opening_clusters SET prototype = ?2, members = ?3 WHERE id = ?1",
+                        params![id, f32_blob(proto), n],
+                    )?;
+                    ids.push(*id);
+                }
+                None => {
+                    tx.execute(
+                        "INSERT INTO opening_clusters (n_embd, prototype, members) VALUES (?1, ?2, ?3)",
+                        params![proto.len() as i64, f32_blob(proto), n],
+                    )?;
+                    ids.push(tx.last_insert_rowid());
+                }
+            }
+        }
+        for (sid, k) in assign {
+            tx.execute(
+                "UPDATE sessions SET group_key = ?2 WHERE id = ?1 AND group_key IS NULL",
+                params![sid, format!("cluster:{}", ids[*k])],
+            )?;
+        }
+        tx.commit()?;
+        Ok(ids)
     }
 
     /// Annotations of a session's turns as JSON objects `{turn_idx, kind, value, producer}`.
