@@ -10,6 +10,7 @@
 //!   adapters), migrations applied on open.
 //! - [`graph`]: ONNX graphs built and differentiated in Rust, run by ONNX Runtime (CPU / CUDA).
 //! - [`learn`]: advantages, the clipped surrogate and the update that trains the adapter.
+//! - [`server`]: the OpenAI-compatible HTTP API, feedback, adapters admin, background learner.
 //! - [`session`]: glue that turns an engine generation into store rows.
 //! - [`replay`]: import and export of JSON Lines chat logs (offline replay).
 //! - [`assets`]: first-use provisioning of the default model and ONNX Runtime from PyPI wheels.
@@ -23,6 +24,7 @@ pub mod graph;
 pub mod learn;
 pub mod policy;
 pub mod replay;
+pub mod server;
 pub mod session;
 pub mod store;
 

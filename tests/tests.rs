@@ -6,4 +6,5 @@ mod common;
 mod cli;
 mod learn;
 mod policy;
+mod server;
 mod store;

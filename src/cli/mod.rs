@@ -5,6 +5,7 @@ mod chat;
 mod fetch;
 mod gc;
 mod import;
+mod serve;
 mod sessions;
 mod train;
 
@@ -48,6 +49,8 @@ enum Cmd {
     Annotate(train::AnnotateArgs),
     /// List, show, activate or roll back adapter versions
     Adapters(train::AdaptersArgs),
+    /// Serve an OpenAI-compatible API that logs every turn and learns in the background
+    Serve(Box<serve::ServeArgs>),
     /// Measure prefill and decode speed: Turnwise's engine against plain llama.cpp
     Bench(bench::BenchArgs),
 }
@@ -110,6 +113,7 @@ pub fn main() -> ExitCode {
         Cmd::Sessions(a) => sessions::run(a, &db),
         Cmd::Bench(a) => bench::run(a, cli.verbose),
         Cmd::Train(a) => train::run(*a, &db),
+        Cmd::Serve(a) => serve::run(*a, &db, cli.verbose),
         Cmd::Adapters(a) => train::adapters(a, &db),
         Cmd::Annotate(a) => train::annotate(a, &db, cli.verbose),
     };

@@ -174,6 +174,12 @@ enum Command {
         adapter: Option<(i64, Arc<Adapter>)>,
         reply: Reply1<()>,
     },
+    Restore {
+        session: u64,
+        tokens: Vec<Token>,
+        messages: Vec<Message>,
+        reply: Reply1<()>,
+    },
     ScoreReference {
         prefix: Vec<Token>,
         after_assistant: bool,
@@ -354,6 +360,20 @@ impl Engine {
         }))
     }
 
+    /// Restores a session from its stored tokens and messages (e.g. after a restart), so that it
+    /// continues token-exact: the rendered text is the tokens' own text, control tokens included.
+    ///
+    /// # Errors
+    /// [`Error::ContextOverflow`] when the tokens do not fit.
+    pub fn restore(&self, session: u64, tokens: Vec<Token>, messages: Vec<Message>) -> Result<()> {
+        Self::wait(self.call(|reply| Command::Restore {
+            session,
+            tokens,
+            messages,
+            reply,
+        }))
+    }
+
     /// Forgets a session's in-memory state (its log stays in the store).
     pub fn close(&self, session: u64) {
         let _ = self.tx.send(Command::Close { session });
@@ -480,6 +500,39 @@ impl Worker {
                 }
                 Command::Close { session } => {
                     self.sessions.remove(&session);
+                }
+                Command::Restore {
+                    session,
+                    tokens,
+                    messages,
+                    reply,
+                } => {
+                    let r = if tokens.len() > self.ctx.n_ctx() {
+                        Err(Error::ContextOverflow {
+                            have: tokens.len(),
+                            adding: 0,
+                            needed: tokens.len(),
+                            n_ctx: self.ctx.n_ctx(),
+                        })
+                    } else {
+                        // a BOS the tokenizer added has no text in the rendered template
+                        let skip = usize::from(self.model.add_bos() && !tokens.is_empty());
+                        let bytes: Vec<u8> = tokens[skip..]
+                            .iter()
+                            .flat_map(|&t| self.model.piece(t, true))
+                            .collect();
+                        let rendered = String::from_utf8_lossy(&bytes).into_owned();
+                        self.sessions.insert(
+                            session,
+                            Conversation {
+                                messages,
+                                tokens,
+                                rendered,
+                            },
+                        );
+                        Ok(())
+                    };
+                    let _ = reply.send(r);
                 }
                 Command::ScoreReference {
                     prefix,
@@ -638,7 +691,7 @@ impl Worker {
         let t1 = Instant::now();
         let mut rng = Rng::new(p.seed);
         let mut utf8 = Utf8Stream::default();
-        let (mut text, mut rendered) = (String::new(), String::new());
+        let (mut text, mut rendered) = (String::new(), Vec::<u8>::new());
         let mut tokens = Vec::new();
         let (mut lb, mut lf) = (Vec::new(), Vec::new());
         let mut hidden = Vec::with_capacity(p.max_tokens * self.n_embd);
@@ -659,7 +712,7 @@ impl Worker {
             lb.push(s.logp_behavior);
             lf.push(s.logp_full);
             hidden.extend_from_slice(&h);
-            rendered.push_str(&String::from_utf8_lossy(&self.model.piece(s.token, true)));
+            rendered.extend(self.model.piece(s.token, true));
             if self.model.is_eog(s.token) {
                 break StopReason::EndOfTurn;
             }
@@ -688,7 +741,7 @@ impl Worker {
         };
         text.push_str(&utf8.finish());
         let visible = text[..visible_len.unwrap_or(text.len())].to_string();
-        conv.push_reply(text.clone(), &tokens, &rendered);
+        conv.push_reply(text.clone(), &tokens, &String::from_utf8_lossy(&rendered));
         let reply = Reply {
             text,
             visible,

@@ -1,0 +1,95 @@
+//! `turnwise serve`: the OpenAI-compatible server with background learning.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::Args;
+use turnwise::learn::Algo;
+use turnwise::policy::OutputHead;
+use turnwise::server::{self, AppState, ServerConfig};
+
+use super::ModelArgs;
+
+/// Options of `turnwise serve`.
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to bind (loopback by default)
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0 picks a free one; the address is printed)
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Bearer token required on every route
+    #[arg(long, env = "TURNWISE_API_KEY")]
+    api_key: Option<String>,
+    /// Generations admitted at once (beyond: 429 with Retry-After)
+    #[arg(long, default_value_t = 8)]
+    queue: usize,
+    /// Largest request body in bytes
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body: usize,
+    /// Largest max_tokens a request may ask for
+    #[arg(long, default_value_t = 512)]
+    max_tokens_limit: usize,
+    /// Do not learn in the background
+    #[arg(long)]
+    no_learn: bool,
+    /// Run an update after this many ended sessions with feedback
+    #[arg(long, default_value_t = 20)]
+    learn_every: usize,
+    /// … or after this many minutes when new sessions ended
+    #[arg(long, default_value_t = 30.0)]
+    learn_minutes: f64,
+    /// Preset of the background updates
+    #[arg(long, value_enum, default_value_t = Algo::A2tgpo)]
+    algo: Algo,
+    /// Threads of the learner's step (keeps training from starving serving)
+    #[arg(long, default_value_t = 1)]
+    train_threads: usize,
+    /// Promotion gate: largest approximate KL of a candidate to its parent
+    #[arg(long, default_value_t = 0.05)]
+    gate_kl: f64,
+}
+
+/// Serves until killed.
+///
+/// # Errors
+/// Model, store or bind errors.
+pub fn run(args: ServeArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode> {
+    let engine = args.model.start(verbose)?;
+    let head = Arc::new(OutputHead::from_gguf(&engine.info().path)?);
+    let cfg = ServerConfig {
+        db: db.to_path_buf(),
+        api_key: args.api_key.clone(),
+        max_body: args.max_body,
+        max_tokens_limit: args.max_tokens_limit,
+        queue: args.queue,
+        learn_every_sessions: (!args.no_learn).then_some(args.learn_every),
+        learn_every_minutes: args.learn_minutes,
+        learn_algo: args.algo,
+        train_threads: args.train_threads,
+        gate_kl: args.gate_kl,
+    };
+    let state = AppState::new(engine, cfg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        println!("turnwise serving on http://{addr}");
+        use std::io::Write;
+        std::io::stdout().flush()?;
+        tokio::spawn(server::learner(state.clone(), head));
+        axum::serve(listener, server::router(state)).await?;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}

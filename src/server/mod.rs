@@ -1,0 +1,886 @@
+//! `turnwise serve`: an OpenAI-compatible chat server that logs every turn token-exact, takes
+//! feedback, and learns in the background with a promotion gate and hot-swap.
+//!
+//! The engine thread owns llama.cpp; handlers talk to it through [`Engine`]'s async calls and a
+//! bounded queue (a semaphore: when it is full the answer is 429 with `Retry-After`). A turn is
+//! committed to SQLite before its reply is acknowledged (the JSON body, or the final SSE chunk).
+
+pub mod openai;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+use self::openai::{error_body, ChatRequest, FeedbackRequest, Usage};
+use crate::adapter::Adapter;
+use crate::error::Error;
+use crate::learn::{run_update, Algo, Selection, TrainConfig};
+use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams, StopReason};
+use crate::session::turns_from_generation;
+use crate::store::{NewSession, Source, Store};
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// the database
+    pub db: PathBuf,
+    /// bearer token required on every route when set
+    pub api_key: Option<String>,
+    /// largest request body in bytes
+    pub max_body: usize,
+    /// largest `max_tokens` a request may ask for
+    pub max_tokens_limit: usize,
+    /// generations admitted at once (running + waiting for the engine)
+    pub queue: usize,
+    /// background learning: wake after this many ended sessions with feedback (None: off)
+    pub learn_every_sessions: Option<usize>,
+    /// … or after this many minutes with new finished sessions
+    pub learn_every_minutes: f64,
+    /// the update's preset
+    pub learn_algo: Algo,
+    /// threads of the learner's step (bounded share of the CPU)
+    pub train_threads: usize,
+    /// promotion gate: largest mean k3 KL of the candidate to its parent on the guard set
+    pub gate_kl: f64,
+}
+
+/// An HTTP error in OpenAI's shape.
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            retry_after: None,
+        }
+    }
+    fn bad(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::ContextOverflow { .. } | Error::Invalid(_) | Error::Template(_) => {
+                Self::bad(e.to_string())
+            }
+            Error::NotFound(_) => {
+                Self::new(StatusCode::NOT_FOUND, "not_found_error", e.to_string())
+            }
+            _ => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                e.to_string(),
+            ),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (
+            self.status,
+            Json(error_body(&self.message, self.kind, None)),
+        )
+            .into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert("retry-after", HeaderValue::from(s));
+        }
+        r
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// A live session as the client sees it.
+#[derive(Clone)]
+struct LiveSession {
+    store_id: i64,
+    /// messages as the client sent and received them (assistant: the visible text)
+    messages: Vec<Message>,
+}
+
+#[derive(Default)]
+struct Metrics {
+    requests: AtomicU64,
+    errors: AtomicU64,
+    completion_tokens: AtomicU64,
+    decode_tps_milli: AtomicU64,
+    updates: AtomicU64,
+    ended_with_feedback: AtomicU64,
+}
+
+/// Shared state of the handlers.
+pub struct AppState {
+    engine: Engine,
+    store: Mutex<Store>,
+    cfg: ServerConfig,
+    sessions: Mutex<HashMap<String, LiveSession>>,
+    queue: Arc<Semaphore>,
+    metrics: Metrics,
+    active: Mutex<Option<i64>>,
+    last_update: Mutex<Value>,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    /// Opens the store, loads the active adapter into the engine.
+    ///
+    /// # Errors
+    /// Store errors, or an active adapter that cannot be loaded.
+    pub fn new(engine: Engine, cfg: ServerConfig) -> crate::Result<Arc<Self>> {
+        let store = Store::open(&cfg.db)?;
+        let active = match store.active_adapter()? {
+            Some(rec) => {
+                let a = Adapter::load(std::path::Path::new(&rec.path))?;
+                engine.set_adapter(Some((rec.id, Arc::new(a))))?;
+                Some(rec.id)
+            }
+            None => None,
+        };
+        Ok(Arc::new(AppState {
+            engine,
+            store: Mutex::new(store),
+            queue: Arc::new(Semaphore::new(cfg.queue.max(1))),
+            cfg,
+            sessions: Mutex::new(HashMap::new()),
+            metrics: Metrics::default(),
+            active: Mutex::new(active),
+            last_update: Mutex::new(json!({})),
+            next_id: AtomicU64::new(0),
+        }))
+    }
+
+    fn store(&self) -> std::sync::MutexGuard<'_, Store> {
+        self.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The router with every route and the optional bearer-token check.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/sessions/{id}/feedback", post(feedback))
+        .route("/v1/sessions/{id}/end", post(end_session))
+        .route("/v1/models", get(models))
+        .route("/v1/adapters", get(adapters))
+        .route("/v1/adapters/{id}/activate", post(activate))
+        .route("/v1/adapters/rollback", post(rollback))
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics))
+        .fallback(|| async {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found_error", "no such route")
+        })
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
+        .with_state(state)
+}
+
+async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    st.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    if let Some(key) = &st.cfg.api_key {
+        let ok = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|k| k == key);
+        if !ok {
+            st.metrics.errors.fetch_add(1, Ordering::Relaxed);
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                "missing or wrong bearer token",
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn read_json<T: serde::de::DeserializeOwned>(st: &AppState, body: Body) -> ApiResult<T> {
+    let bytes: Bytes = axum::body::to_bytes(body, st.cfg.max_body)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                format!("request body over {} bytes", st.cfg.max_body),
+            )
+        })?;
+    serde_json::from_slice(&bytes).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))
+}
+
+fn content_text(v: &Option<Value>) -> ApiResult<String> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(|p| {
+                p.get("text")
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+                    .ok_or_else(|| ApiError::bad("only text content parts are supported"))
+            })
+            .collect::<ApiResult<Vec<_>>>()
+            .map(|v| v.concat()),
+        Some(_) => Err(ApiError::bad(
+            "content must be a string or an array of text parts",
+        )),
+    }
+}
+
+fn sampler(req: &ChatRequest, limit: usize) -> ApiResult<SamplerParams> {
+    let max = req.max_completion_tokens.or(req.max_tokens).unwrap_or(128);
+    if max == 0 || max > limit {
+        return Err(ApiError::bad(format!(
+            "max_tokens must be between 1 and {limit}"
+        )));
+    }
+    let stop = match &req.stop {
+        None | Some(Value::Null) => vec![],
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_str().map(str::to_string))
+            .collect(),
+        Some(_) => {
+            return Err(ApiError::bad(
+                "stop must be a string or an array of strings",
+            ))
+        }
+    };
+    let d = SamplerParams::default();
+    let p = SamplerParams {
+        temperature: req.temperature.unwrap_or(d.temperature),
+        top_p: req.top_p.unwrap_or(d.top_p),
+        top_k: req.top_k.unwrap_or(d.top_k),
+        max_tokens: max,
+        seed: req.seed.unwrap_or_else(rand_seed),
+        stop,
+        ignore_eog: false,
+    };
+    if !(0.0..=2.0).contains(&p.temperature) || !(0.0..=1.0).contains(&p.top_p) || p.top_p == 0.0 {
+        return Err(ApiError::bad(
+            "temperature must be in [0, 2] and top_p in (0, 1]",
+        ));
+    }
+    Ok(p)
+}
+
+fn rand_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// Resolves the session a request continues and the messages it adds.
+fn route_session(
+    st: &AppState,
+    client_id: Option<String>,
+    msgs: Vec<Message>,
+) -> ApiResult<(String, LiveSession, Vec<Message>)> {
+    let id = client_id.unwrap_or_else(|| {
+        format!(
+            "s{}-{}",
+            rand_seed() % 1_000_000_007,
+            st.next_id.fetch_add(1, Ordering::Relaxed)
+        )
+    });
+    let known = st
+        .sessions
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&id)
+        .cloned();
+    let known = match known {
+        Some(k) => Some(k),
+        None => restore(st, &id)?,
+    };
+    if let Some(live) = known {
+        let n = live.messages.len();
+        let extends = msgs.len() > n
+            && msgs[..n] == live.messages[..]
+            && msgs[n..].iter().all(|m| m.role != Role::Assistant);
+        if extends {
+            return Ok((id, live.clone(), msgs[n..].to_vec()));
+        }
+    }
+    // a new session, or a new branch of one whose history the request does not extend
+    let mut s = NewSession::new(Source::Live);
+    s.metadata = json!({"client_session_id": id});
+    let store_id = st.store().create_session(&s)?;
+    Ok((
+        id,
+        LiveSession {
+            store_id,
+            messages: Vec::new(),
+        },
+        msgs,
+    ))
+}
+
+/// After a restart: the newest open session with this client id, restored token-exact.
+fn restore(st: &AppState, client_id: &str) -> ApiResult<Option<LiveSession>> {
+    let store = st.store();
+    let found: Option<i64> = store
+        .connection()
+        .query_row(
+            "SELECT id FROM sessions WHERE source = 'live' AND ended_at IS NULL
+             AND json_extract(metadata, '$.client_session_id') = ?1 ORDER BY id DESC LIMIT 1",
+            [client_id],
+            |r| r.get(0),
+        )
+        .ok();
+    let Some(sid) = found else { return Ok(None) };
+    let turns = store.turns(sid)?;
+    drop(store);
+    let tokens: Vec<i32> = turns
+        .iter()
+        .flat_map(|t| t.token_ids.iter().copied())
+        .collect();
+    let messages: Vec<Message> = turns
+        .iter()
+        .map(|t| Message::new(t.role, t.text.clone()))
+        .collect();
+    // the engine call blocks: keep it off the async worker's back
+    tokio::task::block_in_place(|| st.engine.restore(sid as u64, tokens, messages.clone()))?;
+    Ok(Some(LiveSession {
+        store_id: sid,
+        messages,
+    }))
+}
+
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<Response> {
+    let req: ChatRequest = read_json(&st, body).await?;
+    if req.messages.is_empty() {
+        return Err(ApiError::bad("messages must not be empty"));
+    }
+    let mut msgs = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        let role = Role::parse(&m.role)
+            .map_err(|_| ApiError::bad(format!("messages[{i}]: unknown role {:?}", m.role)))?;
+        msgs.push(Message::new(role, content_text(&m.content)?));
+    }
+    if !matches!(msgs.last().map(|m| m.role), Some(Role::User | Role::Tool)) {
+        return Err(ApiError::bad(
+            "the last message must be from the user or a tool",
+        ));
+    }
+    let params = sampler(&req, st.cfg.max_tokens_limit)?;
+    let client_id = req
+        .session_id
+        .clone()
+        .or_else(|| {
+            headers
+                .get("x-session-id")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        })
+        .or_else(|| req.user.clone());
+    let permit = st.queue.clone().try_acquire_owned().map_err(|_| ApiError {
+        retry_after: Some(1),
+        ..ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "the generation queue is full; retry shortly",
+        )
+    })?;
+    let (client_id, live, new_msgs) = route_session(&st, client_id, msgs)?;
+    let model = st.engine.info().name.clone();
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let cid = format!("chatcmpl-{}-{}", live.store_id, live.messages.len());
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let st2 = st.clone();
+    let (p2, live2, client2) = (params.clone(), live.clone(), client_id.clone());
+    // generation + commit run to completion even if the client goes away
+    let job = tokio::spawn(async move {
+        let _permit = permit;
+        let g = st2
+            .engine
+            .generate_async(
+                live2.store_id as u64,
+                new_msgs.clone(),
+                p2.clone(),
+                Some(tx),
+            )
+            .await?;
+        let info = st2.engine.info();
+        st2.store()
+            .append_turns(live2.store_id, &turns_from_generation(&g, &p2, info))?;
+        let mut live3 = live2.clone();
+        live3.messages.extend(new_msgs);
+        live3
+            .messages
+            .push(Message::new(Role::Assistant, g.reply.visible.clone()));
+        st2.sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(client2, live3);
+        let n = g.reply.tokens.len() as u64;
+        st2.metrics
+            .completion_tokens
+            .fetch_add(n, Ordering::Relaxed);
+        if g.reply.decode_ms > 0.0 {
+            st2.metrics.decode_tps_milli.store(
+                (n as f64 / (g.reply.decode_ms / 1e3) * 1e3) as u64,
+                Ordering::Relaxed,
+            );
+        }
+        Ok::<_, Error>(g)
+    });
+    let usage = |g: &crate::policy::Generation| Usage {
+        prompt_tokens: g.prompt.iter().map(|t| t.tokens.len()).sum(),
+        completion_tokens: g.reply.tokens.len(),
+        total_tokens: g.prompt.iter().map(|t| t.tokens.len()).sum::<usize>() + g.reply.tokens.len(),
+    };
+    let finish = |s: StopReason| {
+        if s == StopReason::MaxTokens {
+            "length"
+        } else {
+            "stop"
+        }
+    };
+    if !req.stream {
+        while rx.recv().await.is_some() {}
+        let g = job.await.map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                e.to_string(),
+            )
+        })??;
+        return Ok(Json(json!({
+            "id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": g.reply.visible},
+                         "finish_reason": finish(g.reply.stop)}],
+            "usage": usage(&g), "session_id": client_id, "adapter_id": g.reply.adapter_id,
+        }))
+        .into_response());
+    }
+    let (etx, erx) = tokio::sync::mpsc::channel::<Result<Event, std::convert::Infallible>>(64);
+    tokio::spawn(async move {
+        let chunk = |delta: Value, fin: Option<&str>| {
+            json!({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": fin}], "session_id": client_id})
+        };
+        let _ = etx
+            .send(Ok(
+                Event::default().data(chunk(json!({"role": "assistant"}), None).to_string())
+            ))
+            .await;
+        while let Some(piece) = rx.recv().await {
+            if etx
+                .send(Ok(
+                    Event::default().data(chunk(json!({"content": piece}), None).to_string())
+                ))
+                .await
+                .is_err()
+            {
+                // the client left: dropping the receiver cancels the generation; what was
+                // produced is still committed by the job
+                drop(rx);
+                let _ = job.await;
+                return;
+            }
+        }
+        match job.await {
+            Ok(Ok(g)) => {
+                let mut last = chunk(json!({}), Some(finish(g.reply.stop)));
+                last["usage"] = serde_json::to_value(usage(&g)).unwrap_or(Value::Null);
+                last["adapter_id"] = json!(g.reply.adapter_id);
+                let _ = etx.send(Ok(Event::default().data(last.to_string()))).await;
+                let _ = etx.send(Ok(Event::default().data("[DONE]"))).await;
+            }
+            Ok(Err(e)) => {
+                let _ = etx
+                    .send(Ok(Event::default().data(
+                        error_body(&e.to_string(), "server_error", None).to_string(),
+                    )))
+                    .await;
+            }
+            Err(e) => {
+                let _ = etx
+                    .send(Ok(Event::default().data(
+                        error_body(&e.to_string(), "server_error", None).to_string(),
+                    )))
+                    .await;
+            }
+        }
+    });
+    Ok(Sse::new(tokio_stream::wrappers::ReceiverStream::new(erx)).into_response())
+}
+
+fn live_session(st: &AppState, id: &str) -> ApiResult<i64> {
+    if let Some(l) = st
+        .sessions
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(id)
+    {
+        return Ok(l.store_id);
+    }
+    st.store()
+        .connection()
+        .query_row(
+            "SELECT id FROM sessions WHERE json_extract(metadata, '$.client_session_id') = ?1 ORDER BY id DESC LIMIT 1",
+            [id],
+            |r| r.get(0),
+        )
+        .map_err(|_| ApiError::new(StatusCode::NOT_FOUND, "not_found_error", format!("unknown session {id}")))
+}
+
+async fn feedback(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: Body,
+) -> ApiResult<Json<Value>> {
+    let req: FeedbackRequest = read_json(&st, body).await?;
+    let sid = live_session(&st, &id)?;
+    let mut store = st.store();
+    let mut n = 0;
+    if let Some(t) = &req.thumb {
+        let v = match t.as_str() {
+            "up" => 1.0,
+            "down" => -1.0,
+            _ => return Err(ApiError::bad("thumb must be \"up\" or \"down\"")),
+        };
+        let turn = match req.turn {
+            Some(t) => Some(t),
+            None => store
+                .turns(sid)?
+                .iter()
+                .rev()
+                .find(|t| t.role == Role::Assistant)
+                .map(|t| t.idx),
+        };
+        store.add_feedback(sid, turn, "thumb", Some(v), req.note.as_deref())?;
+        n += 1;
+    }
+    if let Some(o) = &req.outcome {
+        let v = match o {
+            Value::String(s) if s == "resolved" => 1.0,
+            Value::String(s) if s == "unresolved" => 0.0,
+            Value::Number(x) => x
+                .as_f64()
+                .filter(|v| v.is_finite())
+                .ok_or_else(|| ApiError::bad("outcome must be finite"))?,
+            _ => {
+                return Err(ApiError::bad(
+                    "outcome must be \"resolved\", \"unresolved\" or a number",
+                ))
+            }
+        };
+        store.add_feedback(sid, None, "outcome", Some(v), req.note.as_deref())?;
+        n += 1;
+    }
+    if n == 0 {
+        match &req.note {
+            Some(note) => store.add_feedback(sid, req.turn, "note", None, Some(note))?,
+            None => return Err(ApiError::bad("give a thumb, an outcome or a note")),
+        }
+    }
+    Ok(Json(json!({"session_id": id, "recorded": true})))
+}
+
+async fn end_session(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let sid = live_session(&st, &id)?;
+    let has_feedback = {
+        let store = st.store();
+        store.end_session(sid)?;
+        !store.feedback(sid)?.is_empty()
+    };
+    st.sessions
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id);
+    st.engine.close(sid as u64);
+    if has_feedback {
+        st.metrics
+            .ended_with_feedback
+            .fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(Json(json!({"session_id": id, "ended": true})))
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": st.engine.info().name, "object": "model", "owned_by": "turnwise"}]}),
+    )
+}
+
+async fn adapters(State(st): State<Arc<AppState>>) -> ApiResult<Json<Value>> {
+    let list = st.store().adapters()?;
+    Ok(Json(
+        json!({"object": "list", "data": list, "active": *st.active.lock().unwrap_or_else(|p| p.into_inner())}),
+    ))
+}
+
+fn switch_to(st: &AppState, id: Option<i64>) -> crate::Result<()> {
+    let adapter = match id {
+        Some(id) => {
+            let rec = st.store().adapter(id)?;
+            Some((
+                id,
+                Arc::new(Adapter::load(std::path::Path::new(&rec.path))?),
+            ))
+        }
+        None => None,
+    };
+    st.engine.set_adapter(adapter)?;
+    *st.active.lock().unwrap_or_else(|p| p.into_inner()) = id;
+    Ok(())
+}
+
+async fn activate(State(st): State<Arc<AppState>>, Path(id): Path<i64>) -> ApiResult<Json<Value>> {
+    let rec = st.store().adapter(id)?;
+    Adapter::load(std::path::Path::new(&rec.path))
+        .map_err(|e| ApiError::bad(format!("adapter {id} is not loadable: {e}")))?;
+    st.store().activate_adapter(id)?;
+    tokio::task::block_in_place(|| switch_to(&st, Some(id)))?;
+    Ok(Json(json!({"active": id})))
+}
+
+async fn rollback(State(st): State<Arc<AppState>>) -> ApiResult<Json<Value>> {
+    let now = st.store().rollback_adapter()?;
+    tokio::task::block_in_place(|| switch_to(&st, now))?;
+    Ok(Json(json!({"active": now})))
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let m = &st.metrics;
+    let (sessions, turns) = {
+        let s = st.store();
+        s.storage_stats()
+            .map(|x| (x.sessions, x.turns))
+            .unwrap_or((0, 0))
+    };
+    let in_use = st.cfg.queue.saturating_sub(st.queue.available_permits());
+    let last = st
+        .last_update
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let mut out = String::new();
+    let mut line = |name: &str, kind: &str, help: &str, v: f64| {
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
+        ));
+    };
+    line(
+        "turnwise_requests_total",
+        "counter",
+        "HTTP requests received",
+        m.requests.load(Ordering::Relaxed) as f64,
+    );
+    line(
+        "turnwise_errors_total",
+        "counter",
+        "requests refused for authentication",
+        m.errors.load(Ordering::Relaxed) as f64,
+    );
+    line(
+        "turnwise_completion_tokens_total",
+        "counter",
+        "tokens generated",
+        m.completion_tokens.load(Ordering::Relaxed) as f64,
+    );
+    line(
+        "turnwise_decode_tokens_per_second",
+        "gauge",
+        "decode speed of the last reply",
+        m.decode_tps_milli.load(Ordering::Relaxed) as f64 / 1e3,
+    );
+    line(
+        "turnwise_queue_depth",
+        "gauge",
+        "generations admitted and not finished",
+        in_use as f64,
+    );
+    line(
+        "turnwise_sessions",
+        "gauge",
+        "sessions in the log",
+        sessions as f64,
+    );
+    line("turnwise_turns", "gauge", "turns in the log", turns as f64);
+    line(
+        "turnwise_updates_total",
+        "counter",
+        "background updates run",
+        m.updates.load(Ordering::Relaxed) as f64,
+    );
+    line(
+        "turnwise_active_adapter",
+        "gauge",
+        "id of the active adapter (0: none)",
+        st.active.lock().map(|a| a.unwrap_or(0)).unwrap_or(0) as f64,
+    );
+    for key in [
+        "loss",
+        "approx_kl",
+        "clip_frac_low",
+        "clip_frac_high",
+        "grad_norm",
+    ] {
+        if let Some(v) = last.get(key).and_then(Value::as_f64) {
+            line(
+                &format!("turnwise_last_update_{key}"),
+                "gauge",
+                "diagnostic of the last update",
+                v,
+            );
+        }
+    }
+    ([("content-type", "text/plain; version=0.0.4")], out).into_response()
+}
+
+/// The background learner: wakes every `learn_every_sessions` ended sessions with feedback or
+/// every `learn_every_minutes`, runs an update over the live sessions, gates the candidate and
+/// hot-swaps it in when it passes.
+pub async fn learner(st: Arc<AppState>, head: Arc<OutputHead>) {
+    let Some(every) = st.cfg.learn_every_sessions else {
+        return;
+    };
+    let mut last_run = Instant::now();
+    let mut seen = 0u64;
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let ended = st.metrics.ended_with_feedback.load(Ordering::Relaxed);
+        let due_sessions = ended.saturating_sub(seen) as usize >= every.max(1);
+        let due_time =
+            last_run.elapsed().as_secs_f64() >= st.cfg.learn_every_minutes * 60.0 && ended > seen;
+        if !(due_sessions || due_time) {
+            continue;
+        }
+        seen = ended;
+        last_run = Instant::now();
+        let st2 = st.clone();
+        let head2 = head.clone();
+        let r = tokio::task::spawn_blocking(move || learn_once(&st2, &head2)).await;
+        match r {
+            Ok(Ok(msg)) => tracing::info!("{msg}"),
+            Ok(Err(e)) => tracing::warn!("background update: {e}"),
+            Err(e) => tracing::warn!("background update panicked: {e}"),
+        }
+    }
+}
+
+/// One background update with the promotion gate. Returns a line for the log.
+///
+/// # Errors
+/// Update or store errors (the active adapter is unchanged then).
+pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
+    let parent = {
+        let store = st.store();
+        match store.active_adapter()? {
+            Some(rec) => Some((
+                rec.id,
+                Arc::new(Adapter::load(std::path::Path::new(&rec.path))?),
+            )),
+            None => None,
+        }
+    };
+    let mut cfg = TrainConfig::preset(st.cfg.learn_algo);
+    cfg.threads = st.cfg.train_threads;
+    cfg.epochs = 1;
+    let sel = Selection {
+        source: Some(Source::Live),
+        since: None,
+        limit: 200,
+    };
+    let report = {
+        let mut store = st.store();
+        run_update(
+            &mut store,
+            &st.cfg.db,
+            head,
+            parent.clone(),
+            &cfg,
+            &sel,
+            |_, _, _| {},
+        )?
+    };
+    st.metrics.updates.fetch_add(1, Ordering::Relaxed);
+    *st.last_update.lock().unwrap_or_else(|p| p.into_inner()) = report.diagnostics.clone();
+    let Some(id) = report.adapter_id else {
+        return Ok("update wrote no adapter".into());
+    };
+    // gate: the KL to the parent on the batch (the guard set of logged sessions) is bounded,
+    // and the value head's estimate of success does not regress
+    let kl = report.diagnostics["approx_kl"]
+        .as_f64()
+        .unwrap_or(f64::INFINITY)
+        .abs();
+    let cand = Adapter::load(&crate::adapter::adapter_dir(&st.cfg.db, id))?;
+    let (mut v_new, mut v_old, mut n) = (0.0, 0.0, 0usize);
+    {
+        let store = st.store();
+        for s in store.training_sessions(Some(Source::Live), None, false, 50)? {
+            for t in store
+                .turns(s.id)?
+                .into_iter()
+                .filter(|t| t.role == Role::Assistant)
+            {
+                if let Some(f) = store.features(t.id)? {
+                    let h = &f.values[..f.n_embd];
+                    v_new += cand.value(h) as f64;
+                    v_old += parent.as_ref().map_or(0.5, |(_, p)| p.value(h) as f64);
+                    n += 1;
+                }
+            }
+        }
+    }
+    let (v_new, v_old) = (v_new / n.max(1) as f64, v_old / n.max(1) as f64);
+    let pass = kl.is_finite() && kl <= st.cfg.gate_kl && v_new >= v_old - 0.02;
+    let gate = json!({"gate": {"kl": kl, "kl_bound": st.cfg.gate_kl, "value_new": v_new, "value_old": v_old, "passed": pass}});
+    let mut store = st.store();
+    let mut metrics = report.diagnostics.clone();
+    if let (Some(m), Some(g)) = (metrics.as_object_mut(), gate.as_object()) {
+        m.extend(g.clone());
+    }
+    if pass {
+        store.set_adapter_status(id, "candidate", Some(&metrics))?;
+        store.activate_adapter(id)?;
+        drop(store);
+        switch_to(st, Some(id))?;
+        Ok(format!(
+            "adapter {id} passed the gate and is active ({gate})"
+        ))
+    } else {
+        store.set_adapter_status(id, "rejected", Some(&metrics))?;
+        Ok(format!("adapter {id} failed the gate ({gate})"))
+    }
+}

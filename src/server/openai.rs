@@ -1,0 +1,88 @@
+//! OpenAI chat-completions wire types, converted to engine types at the edge.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// One message of a request.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WireMessage {
+    /// system | developer | user | assistant | tool
+    pub role: String,
+    /// text, array of text parts, or null
+    #[serde(default)]
+    pub content: Option<Value>,
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// the conversation so far
+    pub messages: Vec<WireMessage>,
+    /// model name (informational; one model is served)
+    #[serde(default)]
+    pub model: Option<String>,
+    /// sampling temperature
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    /// nucleus mass
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// top-k (extension)
+    #[serde(default)]
+    pub top_k: Option<usize>,
+    /// reply length limit (legacy name)
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    /// reply length limit
+    #[serde(default)]
+    pub max_completion_tokens: Option<usize>,
+    /// seed
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// stop string(s)
+    #[serde(default)]
+    pub stop: Option<Value>,
+    /// SSE streaming
+    #[serde(default)]
+    pub stream: bool,
+    /// session id (extension)
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// OpenAI's end-user id, used as session id when `session_id` is absent
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+/// Usage counts.
+#[derive(Debug, Clone, Serialize)]
+pub struct Usage {
+    /// tokens appended before the reply
+    pub prompt_tokens: usize,
+    /// tokens of the reply
+    pub completion_tokens: usize,
+    /// sum
+    pub total_tokens: usize,
+}
+
+/// `POST /v1/sessions/{id}/feedback` body.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FeedbackRequest {
+    /// turn index the thumb is about (default: the last assistant turn)
+    #[serde(default)]
+    pub turn: Option<i64>,
+    /// "up" | "down"
+    #[serde(default)]
+    pub thumb: Option<String>,
+    /// "resolved" | "unresolved" | number
+    #[serde(default)]
+    pub outcome: Option<Value>,
+    /// free text
+    #[serde(default)]
+    pub note: Option<String>,
+}
+
+/// An OpenAI-shaped error body.
+pub fn error_body(message: &str, kind: &str, code: Option<&str>) -> Value {
+    serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+}

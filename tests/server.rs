@@ -1,0 +1,450 @@
+//! The real server binary on 127.0.0.1 with a real HTTP/1.1 client: completions (plain and
+//! streamed), token-exact sessions, feedback, metrics, bad requests, and kill -9 faults.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use turnwise::store::Store;
+
+use crate::common::{tempdir, turnwise};
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(db: &Path, extra: &[&str]) -> Server {
+        let mut child = turnwise(db)
+            .args(["serve", "--port", "0"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line.trim().rsplit("http://").next().unwrap().to_string();
+        assert!(addr.starts_with("127.0.0.1:"), "server said {line:?}");
+        Server { child, addr }
+    }
+    fn kill(mut self) {
+        self.child.kill().unwrap(); // SIGKILL
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One request; returns (status, body).
+fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("Content-Type: application/json\r\n\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    let _ = s.write_all(body);
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default();
+    (status, dechunk(&body))
+}
+
+/// Removes HTTP/1.1 chunked framing when present.
+fn dechunk(body: &str) -> String {
+    let mut out = String::new();
+    let mut rest = body;
+    loop {
+        let Some((size, tail)) = rest.split_once("\r\n") else {
+            return if out.is_empty() {
+                body.to_string()
+            } else {
+                out
+            };
+        };
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            return body.to_string();
+        };
+        if n == 0 || tail.len() < n {
+            return out;
+        }
+        out.push_str(&tail[..n]);
+        rest = tail[n..].trim_start_matches("\r\n");
+    }
+}
+
+fn chat(addr: &str, body: Value) -> (u16, Value) {
+    let (s, b) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        body.to_string().as_bytes(),
+    );
+    (s, serde_json::from_str(&b).unwrap_or(Value::String(b)))
+}
+
+#[test]
+fn completions_sessions_feedback_and_metrics() {
+    let dir = tempdir();
+    let db = dir.path().join("serve.db");
+    let srv = Server::start(&db, &["--no-learn"]);
+    let a = &srv.addr;
+    // a three-turn session, each request carrying the whole history
+    let mut history = vec![json!({"role": "system", "content": "You are a support agent."})];
+    for (i, u) in [
+        "Hi, my order 48213 is late.",
+        "It was a jacket.",
+        "Thanks, bye.",
+    ]
+    .iter()
+    .enumerate()
+    {
+        history.push(json!({"role": "user", "content": u}));
+        let (s, r) = chat(
+            a,
+            json!({"messages": history, "max_tokens": 16, "seed": i, "session_id": "sess-1"}),
+        );
+        assert_eq!(s, 200, "{r}");
+        assert_eq!(r["object"], "chat.completion");
+        assert_eq!(r["session_id"], "sess-1");
+        assert!(r["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+        history
+            .push(json!({"role": "assistant", "content": r["choices"][0]["message"]["content"]}));
+    }
+    {
+        let store = Store::open(&db).unwrap();
+        let sessions = store.sessions(None, 10).unwrap();
+        assert_eq!(
+            sessions.len(),
+            1,
+            "the history extended one session each time"
+        );
+        let turns = store.turns(sessions[0].id).unwrap();
+        assert_eq!(turns.len(), 7);
+        let mut ctx = 0;
+        for t in &turns {
+            assert_eq!(t.context_len, ctx, "turn {} continues token-exact", t.idx);
+            assert!(!t.retokenized);
+            ctx += t.token_ids.len();
+        }
+    }
+    // streaming: role chunk, content chunks, a final chunk, then [DONE]
+    let body = json!({"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 12, "stream": true, "user": "sess-2"});
+    let (s, text) = http(
+        a,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        body.to_string().as_bytes(),
+    );
+    assert_eq!(s, 200);
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(*events.last().unwrap(), "[DONE]", "{text}");
+    let mut streamed = String::new();
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(v["object"], "chat.completion.chunk");
+        streamed.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+    }
+    // feedback, end
+    let (s, _) = http(
+        a,
+        "POST",
+        "/v1/sessions/sess-1/feedback",
+        &[],
+        br#"{"thumb": "up", "outcome": "resolved", "note": "great"}"#,
+    );
+    assert_eq!(s, 200);
+    let (s, _) = http(a, "POST", "/v1/sessions/sess-1/end", &[], b"");
+    assert_eq!(s, 200);
+    let (s, m) = http(a, "GET", "/metrics", &[], b"");
+    assert_eq!(s, 200);
+    for line in m.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+        let (name, value) = line.split_once(' ').unwrap();
+        assert!(name.starts_with("turnwise_"), "{line}");
+        value
+            .parse::<f64>()
+            .unwrap_or_else(|_| panic!("metric value {line}"));
+    }
+    assert!(m.contains("turnwise_completion_tokens_total"));
+    let (s, models) = http(a, "GET", "/v1/models", &[], b"");
+    assert_eq!(s, 200, "{models}");
+    let store = Store::open(&db).unwrap();
+    let s1 = store
+        .sessions(None, 10)
+        .unwrap()
+        .into_iter()
+        .find(|s| s.metadata["client_session_id"] == "sess-1")
+        .unwrap();
+    assert_eq!(s1.outcome_reward, Some(1.0));
+    assert!(s1.ended_at.is_some());
+    assert_eq!(store.feedback(s1.id).unwrap().len(), 2);
+    let s2 = store
+        .sessions(None, 10)
+        .unwrap()
+        .into_iter()
+        .find(|s| s.metadata["client_session_id"] == "sess-2")
+        .unwrap();
+    let reply = store.turns(s2.id).unwrap().pop().unwrap();
+    assert_eq!(reply.text, streamed, "what was streamed is what was logged");
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_change_nothing() {
+    let dir = tempdir();
+    let db = dir.path().join("bad.db");
+    let srv = Server::start(
+        &db,
+        &["--no-learn", "--api-key", "sekrit", "--max-body", "4096"],
+    );
+    let a = &srv.addr;
+    let auth = [("Authorization", "Bearer sekrit")];
+    let ok = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+    let (s, b) = http(
+        a,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        ok.to_string().as_bytes(),
+    );
+    assert_eq!(s, 401, "{b}");
+    let cases: Vec<(Vec<u8>, u16, &str)> = vec![
+        (b"{not json".to_vec(), 400, "malformed JSON"),
+        (json!({"messages": []}).to_string().into_bytes(), 400, "empty"),
+        (json!({"messages": [{"role": "wizard", "content": "x"}]}).to_string().into_bytes(), 400, "unknown role"),
+        (json!({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}).to_string().into_bytes(), 400, "last message"),
+        (json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}).to_string().into_bytes(), 400, "max_tokens"),
+        (json!({"messages": [{"role": "user", "content": "x".repeat(10000)}]}).to_string().into_bytes(), 413, "over"),
+    ];
+    for (body, status, why) in cases {
+        let (s, b) = http(a, "POST", "/v1/chat/completions", &auth, &body);
+        assert_eq!(s, status, "{why}: {b}");
+        let v: Value = serde_json::from_str(&b).unwrap_or_else(|_| panic!("{why}: not JSON: {b}"));
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(why),
+            "{why}: {b}"
+        );
+    }
+    let (s, b) = http(
+        a,
+        "POST",
+        "/v1/sessions/nope/feedback",
+        &auth,
+        br#"{"thumb":"up"}"#,
+    );
+    assert_eq!(s, 404, "{b}");
+    let (s, _) = http(
+        a,
+        "POST",
+        "/v1/chat/completions",
+        &auth,
+        ok.to_string().as_bytes(),
+    );
+    assert_eq!(s, 200);
+    let store = Store::open(&db).unwrap();
+    let st = store.storage_stats().unwrap();
+    assert_eq!(
+        (st.sessions, st.turns),
+        (1, 2),
+        "only the good request left rows"
+    );
+    let ok: String = store
+        .connection()
+        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(ok, "ok");
+}
+
+#[test]
+fn kill_during_stream_and_training_loses_no_acknowledged_turn() {
+    let dir = tempdir();
+    let db = dir.path().join("fault.db");
+    let srv = Server::start(&db, &["--learn-every", "1", "--gate-kl", "10"]);
+    let a = srv.addr.clone();
+    let first = json!({"messages": [{"role": "user", "content": "Where is order 555?"}], "max_tokens": 10, "session_id": "f1", "seed": 3});
+    let (s, r) = chat(&a, first.clone());
+    assert_eq!(s, 200);
+    let acknowledged = r["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // start a long stream and kill the server in the middle of it
+    let mut sock = TcpStream::connect(&a).unwrap();
+    let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 300, "stream": true, "session_id": "f2"}).to_string();
+    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
+    let mut buf = [0u8; 512];
+    let _ = sock.read(&mut buf).unwrap();
+    srv.kill();
+    let store = Store::open(&db).unwrap();
+    let f1 = store
+        .sessions(None, 10)
+        .unwrap()
+        .into_iter()
+        .find(|s| s.metadata["client_session_id"] == "f1")
+        .unwrap();
+    assert_eq!(
+        store.turns(f1.id).unwrap().last().unwrap().text.trim_end(),
+        acknowledged.trim_end()
+    );
+    drop(store);
+
+    // restart: the acknowledged session continues token-exact in the same stored session
+    let srv = Server::start(&db, &["--learn-every", "1", "--gate-kl", "10"]);
+    let a = srv.addr.clone();
+    let mut msgs = first["messages"].as_array().unwrap().clone();
+    msgs.push(json!({"role": "assistant", "content": acknowledged}));
+    msgs.push(json!({"role": "user", "content": "Thanks."}));
+    let (s, r) = chat(
+        &a,
+        json!({"messages": msgs, "max_tokens": 8, "session_id": "f1"}),
+    );
+    assert_eq!(s, 200, "{r}");
+    {
+        let store = Store::open(&db).unwrap();
+        let turns = store.turns(f1.id).unwrap();
+        assert_eq!(
+            turns.len(),
+            4,
+            "continued in the same session after the restart"
+        );
+        assert_eq!(
+            turns[2].context_len,
+            turns[0].token_ids.len() + turns[1].token_ids.len()
+        );
+        assert!(!turns[2].retokenized);
+    }
+    // feedback + end triggers a background update; kill while it may be running
+    http(
+        &a,
+        "POST",
+        "/v1/sessions/f1/feedback",
+        &[],
+        br#"{"outcome": 1}"#,
+    );
+    http(&a, "POST", "/v1/sessions/f1/end", &[], b"");
+    std::thread::sleep(Duration::from_millis(1500));
+    srv.kill();
+    let store = Store::open(&db).unwrap();
+    for ad in store.adapters().unwrap() {
+        if ad.status == "active" {
+            turnwise::adapter::Adapter::load(Path::new(&ad.path))
+                .expect("the active adapter is complete");
+        }
+    }
+    let ok: String = store
+        .connection()
+        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(ok, "ok");
+    drop(store);
+    // and the server starts again on whatever is active
+    let srv = Server::start(&db, &["--no-learn"]);
+    let (s, _) = http(&srv.addr, "GET", "/healthz", &[], b"");
+    assert_eq!(s, 200);
+}
+
+#[test]
+fn background_learning_gates_and_hot_swaps_the_adapter() {
+    let dir = tempdir();
+    let db = dir.path().join("learn.db");
+    let srv = Server::start(
+        &db,
+        &["--learn-every", "2", "--gate-kl", "10", "--algo", "grpo"],
+    );
+    let a = &srv.addr;
+    for (i, outcome) in [(0, "resolved"), (1, "unresolved")] {
+        let id = format!("l{i}");
+        let (s, r) = chat(
+            a,
+            json!({"messages": [{"role": "user", "content": "Hello, I need help."}], "max_tokens": 8, "seed": i, "session_id": id}),
+        );
+        assert_eq!(s, 200, "{r}");
+        let fb = json!({"outcome": outcome}).to_string();
+        assert_eq!(
+            http(
+                a,
+                "POST",
+                &format!("/v1/sessions/{id}/feedback"),
+                &[],
+                fb.as_bytes()
+            )
+            .0,
+            200
+        );
+        assert_eq!(
+            http(a, "POST", &format!("/v1/sessions/{id}/end"), &[], b"").0,
+            200
+        );
+    }
+    let mut active = Value::Null;
+    for _ in 0..240 {
+        let (_, b) = http(a, "GET", "/v1/adapters", &[], b"");
+        active = serde_json::from_str::<Value>(&b).unwrap()["active"].clone();
+        if !active.is_null() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert!(
+        !active.is_null(),
+        "the background update passed the gate and was activated"
+    );
+    let (_, r) = chat(
+        a,
+        json!({"messages": [{"role": "user", "content": "Hi again."}], "max_tokens": 4}),
+    );
+    assert_eq!(
+        r["adapter_id"], active,
+        "new requests sample with the new adapter"
+    );
+    let (_, m) = http(a, "GET", "/metrics", &[], b"");
+    assert!(m.contains("turnwise_updates_total 1"), "{m}");
+    // admin: roll back to the base model, unknown adapters are 404
+    let (s, b) = http(a, "POST", "/v1/adapters/rollback", &[], b"");
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(
+        http(a, "POST", "/v1/adapters/999/activate", &[], b"").0,
+        404
+    );
+    let (_, r) = chat(
+        a,
+        json!({"messages": [{"role": "user", "content": "Hi again."}], "max_tokens": 4}),
+    );
+    assert!(r["adapter_id"].is_null(), "{r}");
+}
