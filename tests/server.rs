@@ -448,3 +448,46 @@ fn background_learning_gates_and_hot_swaps_the_adapter() {
     );
     assert!(r["adapter_id"].is_null(), "{r}");
 }
+
+#[test]
+fn a_full_queue_is_429_and_a_client_that_leaves_cancels_but_is_logged() {
+    let dir = tempdir();
+    let db = dir.path().join("queue.db");
+    let srv = Server::start(&db, &["--no-learn", "--queue", "1"]);
+    let a = srv.addr.clone();
+    // a long stream holds the only slot
+    let mut sock = TcpStream::connect(&a).unwrap();
+    let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400,
+                      "stream": true, "session_id": "long", "seed": 1})
+    .to_string();
+    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
+    let mut buf = [0u8; 256];
+    let _ = sock.read(&mut buf).unwrap(); // headers / first chunk: the slot is taken
+    let mut s = TcpStream::connect(&a).unwrap();
+    let b2 = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).to_string();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{b2}", b2.len()).unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    assert!(raw.starts_with("HTTP/1.1 429"), "{raw}");
+    assert!(raw.to_lowercase().contains("retry-after: 1"), "{raw}");
+    assert!(raw.contains("rate_limit_error"), "{raw}");
+    // the streaming client leaves: generation stops early and what was produced is logged
+    drop(sock);
+    let mut logged = None;
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(100));
+        let store = Store::open(&db).unwrap();
+        if let Some(s) = store.sessions(None, 10).unwrap().into_iter().find(|s| s.metadata["client_session_id"] == "long") {
+            if let Some(t) = store.turns(s.id).unwrap().into_iter().find(|t| t.role == turnwise::Role::Assistant) {
+                logged = Some(t);
+                break;
+            }
+        }
+    }
+    let t = logged.expect("the cancelled reply is in the log");
+    assert_eq!(t.stop_reason.as_deref(), Some("cancelled"));
+    assert!(t.token_ids.len() < 400);
+    // the slot is free again
+    let (s, _) = chat(&a, json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}));
+    assert_eq!(s, 200);
+}
