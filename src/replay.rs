@@ -53,7 +53,11 @@ struct RawMessage {
     tool_calls: Option<Vec<Value>>,
 }
 
-fn content_text(v: Option<&Value>) -> std::result::Result<String, String> {
+/// The text of an OpenAI message `content`: a string, an array of text parts, or null.
+///
+/// # Errors
+/// A reason for any other shape.
+pub fn content_text(v: Option<&Value>) -> std::result::Result<String, String> {
     match v {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),

@@ -477,8 +477,18 @@ fn a_full_queue_is_429_and_a_client_that_leaves_cancels_but_is_logged() {
     for _ in 0..100 {
         std::thread::sleep(Duration::from_millis(100));
         let store = Store::open(&db).unwrap();
-        if let Some(s) = store.sessions(None, 10).unwrap().into_iter().find(|s| s.metadata["client_session_id"] == "long") {
-            if let Some(t) = store.turns(s.id).unwrap().into_iter().find(|t| t.role == turnwise::Role::Assistant) {
+        if let Some(s) = store
+            .sessions(None, 10)
+            .unwrap()
+            .into_iter()
+            .find(|s| s.metadata["client_session_id"] == "long")
+        {
+            if let Some(t) = store
+                .turns(s.id)
+                .unwrap()
+                .into_iter()
+                .find(|t| t.role == turnwise::Role::Assistant)
+            {
                 logged = Some(t);
                 break;
             }
@@ -488,6 +498,9 @@ fn a_full_queue_is_429_and_a_client_that_leaves_cancels_but_is_logged() {
     assert_eq!(t.stop_reason.as_deref(), Some("cancelled"));
     assert!(t.token_ids.len() < 400);
     // the slot is free again
-    let (s, _) = chat(&a, json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}));
+    let (s, _) = chat(
+        &a,
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    );
     assert_eq!(s, 200);
 }

@@ -17,14 +17,9 @@ use turnwise::learn::{run_update, AdvantageMode, Algo, Backend, Selection, Train
 use turnwise::policy::OutputHead;
 use turnwise::store::{Source, Store};
 
-/// Options of `turnwise train`. Unset switches take the preset's value.
+/// Which logged sessions a command reads, and the model they were logged with.
 #[derive(Args)]
-pub struct TrainArgs {
-    /// Preset: a2tgpo (turn ratio, adaptive clip 3e-3/4e-3), atpo (turn ratio, fixed clip),
-    /// gspo (sequence ratio), grpo (token ratio, clip 0.2/0.28), gigpo (token ratio, step-group
-    /// advantages), ppo-token (token ratio, windowed GAE on the value head), sft (warm start)
-    #[arg(long, value_enum, default_value_t = Algo::A2tgpo)]
-    algo: Algo,
+pub struct SelectArgs {
     /// GGUF model the sessions were logged with [default: the default model]
     #[arg(long)]
     model: Option<std::path::PathBuf>,
@@ -37,6 +32,18 @@ pub struct TrainArgs {
     /// At most this many (newest) sessions
     #[arg(long, default_value_t = 1000)]
     limit: usize,
+}
+
+/// Options of `turnwise train`. Unset switches take the preset's value.
+#[derive(Args)]
+pub struct TrainArgs {
+    /// Preset: a2tgpo (turn ratio, adaptive clip 3e-3/4e-3), atpo (turn ratio, fixed clip),
+    /// gspo (sequence ratio), grpo (token ratio, clip 0.2/0.28), gigpo (token ratio, step-group
+    /// advantages), ppo-token (token ratio, windowed GAE on the value head), sft (warm start)
+    #[arg(long, value_enum, default_value_t = Algo::A2tgpo)]
+    algo: Algo,
+    #[command(flatten)]
+    sel: SelectArgs,
     /// Passes over the batch [preset: 2, sft 20]
     #[arg(long)]
     epochs: Option<usize>,
@@ -114,18 +121,8 @@ pub struct TrainArgs {
 /// Options of `turnwise annotate`.
 #[derive(Args)]
 pub struct AnnotateArgs {
-    /// GGUF model the sessions were logged with [default: the default model]
-    #[arg(long)]
-    model: Option<std::path::PathBuf>,
-    /// Only sessions of this source (live, chat, import, demo)
-    #[arg(long)]
-    source: Option<String>,
-    /// Only sessions created at or after this time (ISO 8601, UTC)
-    #[arg(long)]
-    since: Option<String>,
-    /// At most this many (newest) sessions
-    #[arg(long, default_value_t = 1000)]
-    limit: usize,
+    #[command(flatten)]
+    sel: SelectArgs,
     /// Information gain in log-prob space (default, released code) or probability space (paper)
     #[arg(long, value_enum, default_value_t = IgSpace::Logprob)]
     ig_space: IgSpace,
@@ -151,13 +148,13 @@ pub struct AnnotateArgs {
 pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode> {
     let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
     let sessions = store.training_sessions(
-        parse_source(args.source.as_deref())?,
-        args.since.as_deref(),
+        parse_source(args.sel.source.as_deref())?,
+        args.sel.since.as_deref(),
         false,
-        args.limit,
+        args.sel.limit,
     )?;
     let active = active_adapter(&store)?;
-    let model = assets::resolve_model(args.model.as_deref(), false)?;
+    let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
     let head = OutputHead::from_gguf(&model)?;
     let fresh = Adapter::fresh(head.n_embd(), head.n_vocab(), 8, 16.0, 0, "");
     let (mut vid, mut value) = match &active {
@@ -271,7 +268,7 @@ pub fn active_adapter(store: &Store) -> anyhow::Result<Option<(i64, Arc<Adapter>
 /// Selection, store and numerical errors (a rejected update leaves the active adapter as it was).
 pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
-    let model = assets::resolve_model(args.model.as_deref(), false)?;
+    let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
     let head = OutputHead::from_gguf(&model)?;
     let mut cfg = TrainConfig::preset(args.algo);
     if let Some(v) = args.epochs {
@@ -318,9 +315,9 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         active_adapter(&store)?
     };
     let sel = Selection {
-        source: parse_source(args.source.as_deref())?,
-        since: args.since.clone(),
-        limit: args.limit,
+        source: parse_source(args.sel.source.as_deref())?,
+        since: args.sel.since.clone(),
+        limit: args.sel.limit,
     };
     let pb = ProgressBar::new(1);
     pb.set_style(

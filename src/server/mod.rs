@@ -232,23 +232,7 @@ async fn read_json<T: serde::de::DeserializeOwned>(st: &AppState, body: Body) ->
 }
 
 fn content_text(v: &Option<Value>) -> ApiResult<String> {
-    match v {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .map(|p| {
-                p.get("text")
-                    .and_then(Value::as_str)
-                    .map(str::to_string)
-                    .ok_or_else(|| ApiError::bad("only text content parts are supported"))
-            })
-            .collect::<ApiResult<Vec<_>>>()
-            .map(|v| v.concat()),
-        Some(_) => Err(ApiError::bad(
-            "content must be a string or an array of text parts",
-        )),
-    }
+    crate::replay::content_text(v.as_ref()).map_err(ApiError::bad)
 }
 
 fn sampler(req: &ChatRequest, limit: usize) -> ApiResult<SamplerParams> {
