@@ -8,6 +8,7 @@
 //! - [`adapter`]: the output-projection LoRA and value head, PEFT safetensors, applied at sampling.
 //! - [`store`]: the SQLite turn log (sessions, turns, tokens, features, feedback, annotations,
 //!   adapters), migrations applied on open.
+//! - [`env`]: the demo world — back office, scenarios, customer simulator, action syntax, rewards.
 //! - [`graph`]: ONNX graphs built and differentiated in Rust, run by ONNX Runtime (CPU / CUDA).
 //! - [`learn`]: advantages, the clipped surrogate and the update that trains the adapter.
 //! - [`server`]: the OpenAI-compatible HTTP API, feedback, adapters admin, background learner.
@@ -19,6 +20,7 @@
 pub mod adapter;
 pub mod assets;
 pub mod config;
+pub mod env;
 pub mod error;
 pub mod graph;
 pub mod learn;

@@ -1,0 +1,461 @@
+//! The demo world: a small customer-service desk with verifiable outcomes, deterministic under
+//! a seed — a generated back office, scenarios with a hidden intent, a rule-based customer, the
+//! action syntax the agent uses, and the rewards.
+//!
+//! Action syntax (one line anywhere in the reply, case-insensitive, lenient about what surrounds
+//! it, because the default model's base rate for exact tool syntax is near zero — FINDINGS.md):
+//!
+//! ```text
+//! ACTION status <order id>
+//! ACTION refund <order id>
+//! ACTION cancel <order id>
+//! ACTION address <order id> <new address>
+//! ACTION decline
+//! ```
+//!
+//! An `ACTION` with an unknown verb or a missing / malformed order id is a malformed call: the
+//! environment answers with an `ERROR:` observation and the format term is penalised.
+
+use crate::policy::sampler::Rng;
+
+/// What the customer wants (hidden from the agent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Intent {
+    /// where is my order
+    Status,
+    /// money back for a delivered or lost order
+    Refund,
+    /// change the delivery address of an order not yet shipped
+    AddressChange,
+    /// cancel an order not yet shipped
+    Cancel,
+    /// a request the policy does not allow (refund of an order still being processed): decline
+    OutOfPolicy,
+}
+
+/// A parsed agent action.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// look an order up
+    Status(u32),
+    /// refund an order
+    Refund(u32),
+    /// cancel an order
+    Cancel(u32),
+    /// change an order's address
+    Address(u32, String),
+    /// decline the request
+    Decline,
+}
+
+/// Order state in the back office.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OrderStatus {
+    /// not shipped yet
+    Processing,
+    /// on its way
+    Shipped,
+    /// arrived
+    Delivered,
+    /// lost in transit
+    Lost,
+}
+
+/// One order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Order {
+    /// 5-digit id
+    pub id: u32,
+    /// what was bought
+    pub item: &'static str,
+    /// where it is
+    pub status: OrderStatus,
+    /// delivery address
+    pub address: String,
+    /// refunded
+    pub refunded: bool,
+    /// cancelled
+    pub cancelled: bool,
+}
+
+/// A scenario: the customer, their order, their hidden intent and what they know.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scenario {
+    /// template index (train / held-out split is by template)
+    pub template: usize,
+    /// the intent
+    pub intent: Intent,
+    /// the customer's order
+    pub order: Order,
+    /// the new address (address changes)
+    pub new_address: String,
+    /// whether the opening message already holds the order id
+    pub gives_id: bool,
+    /// another number in the opening message (a distractor), if any
+    pub distractor: Option<u32>,
+    /// the correct final action
+    pub ground_truth: Action,
+}
+
+const ITEMS: &[&str] = &[
+    "blue jacket",
+    "coffee grinder",
+    "pair of boots",
+    "desk lamp",
+    "backpack",
+    "phone case",
+];
+const STREETS: &[&str] = &[
+    "12 Oak Street",
+    "7 Harbour Road",
+    "301 Pine Avenue",
+    "58 Mill Lane",
+    "9 Station Square",
+];
+
+/// Opening messages per intent: `{id}` is the order id (or removed when the customer does not
+/// give it), `{item}` the item, `{n}` a distractor number. Templates with an even index are for
+/// training, odd ones are held out.
+fn openings(intent: Intent) -> &'static [&'static str] {
+    match intent {
+        Intent::Status => &[
+            "Hi, where is my order {id}? It's a {item}.",
+            "Can you check the status of order {id} please?",
+            "My {item} (order {id}) hasn't arrived. Any news?",
+            "Hello! I ordered a {item} {n} days ago, order {id}. Where is it?",
+        ],
+        Intent::Refund => &[
+            "I want a refund for order {id}, the {item} never arrived.",
+            "Please refund order {id}.",
+            "The {item} from order {id} is broken, I'd like my money back.",
+            "I paid {n} dollars for order {id} and want a refund.",
+        ],
+        Intent::AddressChange => &[
+            "I need to change the delivery address of order {id}.",
+            "Can you send order {id} to a different address?",
+            "I moved! Please update the address for my {item}, order {id}.",
+            "Order {id}: wrong address, I live at number {n} now.",
+        ],
+        Intent::Cancel => &[
+            "Please cancel order {id}.",
+            "I don't need the {item} anymore, cancel order {id}.",
+            "Cancel my order {id} please, I ordered it by mistake.",
+            "Can order {id} still be cancelled? I bought {n} by accident.",
+        ],
+        Intent::OutOfPolicy => &[
+            "Refund order {id} right now, I haven't even received it yet.",
+            "I want my money back for order {id} before it ships.",
+            "Refund {id} immediately please.",
+            "Give me a refund for order {id}, I changed my mind {n} minutes ago.",
+        ],
+    }
+}
+
+/// The intents, in a fixed order.
+pub const INTENTS: [Intent; 5] = [
+    Intent::Status,
+    Intent::Refund,
+    Intent::AddressChange,
+    Intent::Cancel,
+    Intent::OutOfPolicy,
+];
+
+/// Draws a scenario; `held_out` picks from the held-out templates.
+pub fn scenario(rng: &mut Rng, held_out: bool) -> Scenario {
+    let intent = INTENTS[(rng.next_u64() % INTENTS.len() as u64) as usize];
+    let templates = openings(intent);
+    let choices: Vec<usize> = (0..templates.len())
+        .filter(|i| (i % 2 == 1) == held_out)
+        .collect();
+    let template = choices[(rng.next_u64() % choices.len() as u64) as usize];
+    let id = 10_000 + (rng.next_u64() % 90_000) as u32;
+    let status = match intent {
+        Intent::Status => [
+            OrderStatus::Processing,
+            OrderStatus::Shipped,
+            OrderStatus::Delivered,
+        ][(rng.next_u64() % 3) as usize],
+        Intent::Refund => {
+            [OrderStatus::Delivered, OrderStatus::Lost][(rng.next_u64() % 2) as usize]
+        }
+        Intent::AddressChange | Intent::Cancel | Intent::OutOfPolicy => OrderStatus::Processing,
+    };
+    let order = Order {
+        id,
+        item: ITEMS[(rng.next_u64() % ITEMS.len() as u64) as usize],
+        status,
+        address: STREETS[(rng.next_u64() % STREETS.len() as u64) as usize].to_string(),
+        refunded: false,
+        cancelled: false,
+    };
+    let new_address = STREETS[(rng.next_u64() % STREETS.len() as u64) as usize].to_string();
+    let ground_truth = match intent {
+        Intent::Status => Action::Status(id),
+        Intent::Refund => Action::Refund(id),
+        Intent::AddressChange => Action::Address(id, new_address.clone()),
+        Intent::Cancel => Action::Cancel(id),
+        Intent::OutOfPolicy => Action::Decline,
+    };
+    let gives_id = !rng.next_u64().is_multiple_of(3);
+    let distractor = templates[template]
+        .contains("{n}")
+        .then(|| 2 + (rng.next_u64() % 60) as u32);
+    Scenario {
+        template,
+        intent,
+        order,
+        new_address,
+        gives_id,
+        distractor,
+        ground_truth,
+    }
+}
+
+impl Scenario {
+    /// The customer's first message.
+    pub fn opening(&self) -> String {
+        let t = openings(self.intent)[self.template];
+        let t = if self.gives_id {
+            t.replace("{id}", &self.order.id.to_string())
+        } else {
+            t.replace(" {id}", "").replace("{id}", "")
+        };
+        t.replace("{item}", self.order.item)
+            .replace("{n}", &self.distractor.unwrap_or(3).to_string())
+    }
+
+    /// The customer's answer to an agent reply that took no action: the order id or the new
+    /// address when asked for, else a nudge.
+    pub fn answer(&self, agent_reply: &str) -> String {
+        let r = agent_reply.to_lowercase();
+        let asks_id = [
+            "order number",
+            "order id",
+            "order #",
+            "which order",
+            "number of your order",
+            "order no",
+        ]
+        .iter()
+        .any(|k| r.contains(k));
+        let asks_address = r.contains("address");
+        if asks_address && self.intent == Intent::AddressChange {
+            return format!("The new address is {}.", self.new_address);
+        }
+        if asks_id {
+            return format!("It's order {}.", self.order.id);
+        }
+        match self.intent {
+            Intent::AddressChange => format!("Please update it to {}.", self.new_address),
+            _ => "Can you just take care of it, please?".to_string(),
+        }
+    }
+}
+
+/// Parses the first `ACTION` line of a reply. `None`: no action; `Some(Err(reason))`: malformed.
+pub fn parse_action(reply: &str) -> Option<Result<Action, String>> {
+    // the keyword in capitals anywhere (as a word), or in any case at the start of a line
+    let word_at = |i: usize| {
+        let before = reply[..i].chars().next_back();
+        let after = reply[i + 6..].chars().next();
+        !before.is_some_and(char::is_alphanumeric) && !after.is_some_and(char::is_alphanumeric)
+    };
+    let caps = reply
+        .match_indices("ACTION")
+        .map(|(i, _)| i)
+        .find(|&i| word_at(i));
+    let line_start = reply
+        .lines()
+        .scan(0usize, |off, l| {
+            let start = *off;
+            *off += l.len() + 1;
+            Some((start, l))
+        })
+        .find_map(|(start, l)| {
+            let t = l.trim_start();
+            let i = start + (l.len() - t.len());
+            (t.len() >= 6
+                && t.is_char_boundary(6)
+                && t[..6].eq_ignore_ascii_case("action")
+                && word_at(i))
+            .then_some(i)
+        });
+    let at = [caps, line_start].into_iter().flatten().min()?;
+    let rest = reply[at + "ACTION".len()..].lines().next().unwrap_or("");
+    let mut words = rest.split_whitespace();
+    let verb = words.next().map(|w| {
+        w.trim_matches(|c: char| !c.is_alphanumeric())
+            .to_lowercase()
+    });
+    let id = words
+        .next()
+        .map(|w| w.trim_matches(|c: char| !c.is_ascii_digit()))
+        .and_then(|w| {
+            w.parse::<u32>()
+                .ok()
+                .filter(|&n| (10_000..100_000).contains(&n))
+        });
+    let tail: String = words
+        .collect::<Vec<_>>()
+        .join(" ")
+        .trim_end_matches('.')
+        .to_string();
+    Some(match (verb.as_deref(), id) {
+        (Some("decline"), _) => Ok(Action::Decline),
+        (Some("status"), Some(id)) => Ok(Action::Status(id)),
+        (Some("refund"), Some(id)) => Ok(Action::Refund(id)),
+        (Some("cancel"), Some(id)) => Ok(Action::Cancel(id)),
+        (Some("address"), Some(id)) if !tail.is_empty() => Ok(Action::Address(id, tail)),
+        (Some("address"), Some(_)) => {
+            Err("ACTION address needs the new address after the order id".into())
+        }
+        (Some(v @ ("status" | "refund" | "cancel" | "address")), None) => {
+            Err(format!("ACTION {v} needs a 5-digit order id"))
+        }
+        (Some(v), _) => Err(format!(
+            "unknown action {v:?}; use status, refund, cancel, address or decline"
+        )),
+        (None, _) => Err("ACTION needs a verb".into()),
+    })
+}
+
+/// The back-office result of an action, as the tool message the agent sees.
+pub fn execute(order: &mut Order, action: &Action) -> String {
+    let wrong = |id: u32| format!("ERROR: no order {id} for this customer");
+    match action {
+        Action::Status(id) if *id == order.id => format!(
+            "order {id}: {:?}, {}, to {}",
+            order.status, order.item, order.address
+        )
+        .to_lowercase(),
+        Action::Refund(id) if *id == order.id => match order.status {
+            OrderStatus::Delivered | OrderStatus::Lost => {
+                order.refunded = true;
+                format!("refund issued for order {id}")
+            }
+            _ => format!("ERROR: order {id} is not refundable before delivery"),
+        },
+        Action::Cancel(id) if *id == order.id => {
+            if order.status == OrderStatus::Processing {
+                order.cancelled = true;
+                format!("order {id} cancelled")
+            } else {
+                format!("ERROR: order {id} has shipped and cannot be cancelled")
+            }
+        }
+        Action::Address(id, a) if *id == order.id => {
+            if order.status == OrderStatus::Processing {
+                order.address = a.clone();
+                format!("address of order {id} set to {a}")
+            } else {
+                format!("ERROR: order {id} has shipped")
+            }
+        }
+        Action::Decline => "request declined".into(),
+        Action::Status(id) | Action::Refund(id) | Action::Cancel(id) | Action::Address(id, _) => {
+            wrong(*id)
+        }
+    }
+}
+
+/// Outcome reward: 1 when the final back-office state is the one the ground truth asks for
+/// (and nothing else changed), else 0. A status request is solved by looking the order up; a
+/// decline by declining without refunding.
+pub fn outcome(s: &Scenario, final_order: &Order, actions: &[Action]) -> f64 {
+    let ok = match &s.ground_truth {
+        Action::Status(id) => {
+            actions.contains(&Action::Status(*id))
+                && !final_order.refunded
+                && !final_order.cancelled
+        }
+        Action::Refund(_) => final_order.refunded && !final_order.cancelled,
+        Action::Cancel(_) => final_order.cancelled && !final_order.refunded,
+        Action::Address(_, a) => final_order.address == *a && !final_order.cancelled,
+        Action::Decline => {
+            actions.contains(&Action::Decline) && !final_order.refunded && !final_order.cancelled
+        }
+    };
+    f64::from(u8::from(ok))
+}
+
+/// Format term: −0.1 per malformed action call.
+pub fn format_penalty(malformed_calls: usize) -> f64 {
+    -0.1 * malformed_calls as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_actions_leniently_and_reports_malformed_ones() {
+        assert_eq!(
+            parse_action("Sure!\nACTION refund 48213"),
+            Some(Ok(Action::Refund(48213)))
+        );
+        assert_eq!(
+            parse_action("I'll do it:\n  action Status #48213."),
+            Some(Ok(Action::Status(48213)))
+        );
+        assert_eq!(
+            parse_action("ACTION address 48213 7 Harbour Road."),
+            Some(Ok(Action::Address(48213, "7 Harbour Road".into())))
+        );
+        assert_eq!(parse_action("ACTION decline"), Some(Ok(Action::Decline)));
+        assert_eq!(parse_action("no action here"), None);
+        assert_eq!(parse_action("TRANSACTIONS are fine"), None);
+        assert!(parse_action("ACTION refund")
+            .unwrap()
+            .unwrap_err()
+            .contains("order id"));
+        assert!(
+            parse_action("ACTION refund 123").unwrap().is_err(),
+            "ids have 5 digits"
+        );
+        assert!(parse_action("ACTION teleport 48213")
+            .unwrap()
+            .unwrap_err()
+            .contains("unknown action"));
+        assert!(parse_action("ACTION address 48213").unwrap().is_err());
+    }
+
+    #[test]
+    fn back_office_and_rewards() {
+        let mut rng = Rng::new(3);
+        let s = loop {
+            let s = scenario(&mut rng, false);
+            if s.intent == Intent::Refund {
+                break s;
+            }
+        };
+        let mut o = s.order.clone();
+        assert!(execute(&mut o, &Action::Refund(s.order.id + 1)).starts_with("ERROR"));
+        assert_eq!(outcome(&s, &o, &[]), 0.0);
+        assert!(execute(&mut o, &Action::Refund(s.order.id)).contains("refund issued"));
+        assert_eq!(outcome(&s, &o, &[Action::Refund(s.order.id)]), 1.0);
+        assert_eq!(format_penalty(2), -0.2);
+        // out of policy: a refund before delivery fails, declining succeeds
+        let mut p = s.order.clone();
+        p.status = OrderStatus::Processing;
+        let pid = p.id;
+        assert!(execute(&mut p, &Action::Refund(pid)).starts_with("ERROR"));
+    }
+
+    #[test]
+    fn scenarios_are_deterministic_and_split_by_template() {
+        let draw = |seed, held| {
+            let mut r = Rng::new(seed);
+            (0..50).map(|_| scenario(&mut r, held)).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(5, false), draw(5, false));
+        assert!(draw(5, false).iter().all(|s| s.template % 2 == 0));
+        assert!(draw(5, true).iter().all(|s| s.template % 2 == 1));
+        let s = &draw(9, false)[0];
+        let open = s.opening();
+        assert_eq!(open.contains(&s.order.id.to_string()), s.gives_id, "{open}");
+        assert!(!open.contains('{'), "{open}");
+        assert!(s
+            .answer("Could you give me your order number?")
+            .contains(&s.order.id.to_string()));
+    }
+}
