@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Turnwise's one entry point on a fresh machine: installs what the build needs when it is
-# missing (cmake and libclang for llama.cpp, pip for first-use model downloads), then
+# missing (cmake and libclang for llama.cpp, pip for first-use model downloads, a font for the
+# demo's plots), then
 #   ./run.sh test        -> cargo test --release
-#   ./run.sh <command>   -> cargo run --release -- <command>   (e.g. ./run.sh chat)
+#   ./run.sh <command>   -> cargo run --release -- <command>   (e.g. ./run.sh demo)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -15,6 +16,8 @@ if ! ls /usr/lib/llvm-*/lib/clang/*/include/stdbool.h >/dev/null 2>&1; then
   missing+=(libclang-common-14-dev)   # without it bindgen fails on stdbool.h
 fi
 python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
+# a TrueType font for the demo report's plots
+ls /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf >/dev/null 2>&1 || missing+=(fonts-dejavu-core)
 
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

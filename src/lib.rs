@@ -20,6 +20,7 @@
 pub mod adapter;
 pub mod assets;
 pub mod config;
+pub mod demo;
 pub mod env;
 pub mod error;
 pub mod graph;

@@ -4,6 +4,7 @@
 mod common;
 
 mod cli;
+mod demo;
 mod learn;
 mod policy;
 mod server;

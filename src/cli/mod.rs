@@ -2,6 +2,7 @@
 
 mod bench;
 mod chat;
+mod demo;
 mod fetch;
 mod gc;
 mod import;
@@ -31,6 +32,8 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// The main job: a simulated customer-service desk where the bot measurably learns (warm start, RL, held-out evaluation, report)
+    Demo(Box<demo::DemoArgs>),
     /// Chat with the model in the terminal; every turn is logged (input may be piped)
     Chat(chat::ChatArgs),
     /// Import JSON Lines chat logs for offline replay
@@ -105,6 +108,7 @@ pub fn main() -> ExitCode {
         .init();
     let db = db_path(&cli.db);
     let result = match cli.cmd {
+        Cmd::Demo(a) => demo::run(*a, cli.verbose),
         Cmd::Chat(a) => chat::run(a, &db, cli.verbose),
         Cmd::Import(a) => import::run(a, &db, cli.verbose),
         Cmd::Export(a) => import::export(a, &db),

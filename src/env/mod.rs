@@ -188,7 +188,13 @@ pub fn scenario(rng: &mut Rng, held_out: bool) -> Scenario {
         refunded: false,
         cancelled: false,
     };
-    let new_address = STREETS[(rng.next_u64() % STREETS.len() as u64) as usize].to_string();
+    // a different street from the current one
+    let others: Vec<&str> = STREETS
+        .iter()
+        .copied()
+        .filter(|s| *s != order.address)
+        .collect();
+    let new_address = others[(rng.next_u64() % others.len() as u64) as usize].to_string();
     let ground_truth = match intent {
         Intent::Status => Action::Status(id),
         Intent::Refund => Action::Refund(id),
@@ -218,7 +224,9 @@ impl Scenario {
         let t = if self.gives_id {
             t.replace("{id}", &self.order.id.to_string())
         } else {
-            t.replace(" {id}", "").replace("{id}", "")
+            t.replace("Order {id}", "My order")
+                .replace("order {id}", "my order")
+                .replace("{id}", "my order")
         };
         t.replace("{item}", self.order.item)
             .replace("{n}", &self.distractor.unwrap_or(3).to_string())
@@ -228,16 +236,11 @@ impl Scenario {
     /// address when asked for, else a nudge.
     pub fn answer(&self, agent_reply: &str) -> String {
         let r = agent_reply.to_lowercase();
-        let asks_id = [
-            "order number",
-            "order id",
-            "order #",
-            "which order",
-            "number of your order",
-            "order no",
-        ]
-        .iter()
-        .any(|k| r.contains(k));
+        // any question about the order, or an explicit request for its number
+        let asks_id = ["order number", "order id", "order #", "order no"]
+            .iter()
+            .any(|k| r.contains(k))
+            || (r.contains('?') && r.contains("order"));
         let asks_address = r.contains("address");
         if asks_address && self.intent == Intent::AddressChange {
             return format!("The new address is {}.", self.new_address);
@@ -381,6 +384,163 @@ pub fn outcome(s: &Scenario, final_order: &Order, actions: &[Action]) -> f64 {
 /// Format term: −0.1 per malformed action call.
 pub fn format_penalty(malformed_calls: usize) -> f64 {
     -0.1 * malformed_calls as f64
+}
+
+/// The desk's system prompt: the action syntax and the policy rules, as the agent sees them.
+pub const SYSTEM_PROMPT: &str = "You are a customer-service agent of an online shop. To act on an order, reply with one line: ACTION status <order id>, ACTION refund <order id>, ACTION cancel <order id>, ACTION address <order id> <new address>, or ACTION decline. Ask for the order number when the customer did not give it. Refunds only for delivered or lost orders; cancellations and address changes only before shipping. After the result, tell the customer briefly.";
+
+/// What the environment answers to an agent reply.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Observation {
+    /// the customer says something
+    Customer(String),
+    /// the back office's result of an action (a tool message)
+    Tool(String),
+    /// the session is over
+    End,
+}
+
+/// One session at the desk: the back-office state, the actions taken and the rewards.
+#[derive(Debug, Clone)]
+pub struct Desk {
+    /// the scenario
+    pub scenario: Scenario,
+    /// the order as the back office holds it now
+    pub order: Order,
+    /// well-formed actions, in order
+    pub actions: Vec<Action>,
+    /// malformed `ACTION` lines
+    pub malformed: usize,
+    /// agent replies so far
+    pub agent_turns: usize,
+    /// the customer leaves after this many agent replies
+    pub patience: usize,
+    /// the agent closed the session (a reply without an action once the request was resolved)
+    pub closed: bool,
+    /// the last observation was a back-office result
+    after_tool: bool,
+}
+
+impl Desk {
+    /// A new session of `scenario`; the customer leaves after `patience` agent replies.
+    pub fn new(scenario: Scenario, patience: usize) -> Self {
+        Desk {
+            order: scenario.order.clone(),
+            scenario,
+            actions: Vec::new(),
+            malformed: 0,
+            agent_turns: 0,
+            patience,
+            closed: false,
+            after_tool: false,
+        }
+    }
+
+    /// The back-office state is the one the customer wanted.
+    pub fn resolved(&self) -> bool {
+        outcome(&self.scenario, &self.order, &self.actions) > 0.0
+    }
+
+    /// Takes an agent reply and returns what the agent sees next. An `ACTION` line is executed
+    /// (or answered with an `ERROR:` when malformed); a reply without one is answered by the
+    /// customer, who ends the session when their request is resolved and the agent has told them
+    /// (the closing reply), or when their patience runs out.
+    pub fn step(&mut self, reply: &str) -> Observation {
+        self.agent_turns += 1;
+        let obs = match parse_action(reply) {
+            Some(Err(e)) => {
+                self.malformed += 1;
+                Observation::Tool(format!("ERROR: {e}"))
+            }
+            Some(Ok(a)) => {
+                let r = execute(&mut self.order, &a);
+                self.actions.push(a);
+                Observation::Tool(r)
+            }
+            None if self.after_tool && self.resolved() => {
+                self.closed = true;
+                Observation::End
+            }
+            None => Observation::Customer(self.scenario.answer(reply)),
+        };
+        self.after_tool = matches!(obs, Observation::Tool(_));
+        if self.agent_turns >= self.patience {
+            return Observation::End;
+        }
+        obs
+    }
+
+    /// Solved: the right final state and a closing reply.
+    pub fn success(&self) -> bool {
+        self.closed && self.resolved()
+    }
+
+    /// The session's reward: success (1 or 0) plus the format term.
+    pub fn reward(&self) -> f64 {
+        f64::from(u8::from(self.success())) + format_penalty(self.malformed)
+    }
+}
+
+/// The ground truth as an action line (the reference the information gain scores).
+pub fn action_line(a: &Action) -> String {
+    match a {
+        Action::Status(id) => format!("ACTION status {id}"),
+        Action::Refund(id) => format!("ACTION refund {id}"),
+        Action::Cancel(id) => format!("ACTION cancel {id}"),
+        Action::Address(id, addr) => format!("ACTION address {id} {addr}"),
+        Action::Decline => "ACTION decline".into(),
+    }
+}
+
+/// The scripted expert agent of the warm-start demonstrations. It knows the customer's intent
+/// (as a human agent reading the message would) but only the facts the conversation revealed:
+/// it asks for a missing order id and a missing address, looks a refund's order up before
+/// deciding between refunding and declining, and closes with a short sentence.
+pub fn expert_reply(desk: &Desk, transcript: &[Observation]) -> String {
+    let s = &desk.scenario;
+    let id = s.order.id;
+    let said = |needle: &str| {
+        transcript.iter().any(|o| match o {
+            Observation::Customer(t) => t.contains(needle),
+            _ => false,
+        }) || s.opening().contains(needle)
+    };
+    let knows_id = said(&id.to_string());
+    let knows_address = said(&s.new_address);
+    let last_tool = match transcript.last() {
+        Some(Observation::Tool(t)) => Some(t.as_str()),
+        _ => None,
+    };
+    if desk.resolved() {
+        return match s.intent {
+            Intent::Status => format!(
+                "Your order {id} is {}.",
+                format!("{:?}", desk.order.status).to_lowercase()
+            ),
+            Intent::Refund => format!("Your refund for order {id} has been issued."),
+            Intent::Cancel => format!("Order {id} is cancelled."),
+            Intent::AddressChange => {
+                format!("Order {id} will now go to {}.", desk.order.address)
+            }
+            Intent::OutOfPolicy => {
+                "Sorry, an order can only be refunded after it has been delivered.".into()
+            }
+        };
+    }
+    if !knows_id {
+        return "Could you give me your order number, please?".into();
+    }
+    match s.intent {
+        Intent::Status => action_line(&Action::Status(id)),
+        Intent::Cancel => action_line(&Action::Cancel(id)),
+        Intent::AddressChange if !knows_address => "What is the new delivery address?".into(),
+        Intent::AddressChange => action_line(&Action::Address(id, s.new_address.clone())),
+        Intent::Refund | Intent::OutOfPolicy => match last_tool {
+            Some(t) if t.contains("processing") => action_line(&Action::Decline),
+            Some(t) if t.starts_with("order ") => action_line(&Action::Refund(id)),
+            _ => action_line(&Action::Status(id)),
+        },
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,192 @@
+//! `turnwise demo`: the simulated customer-service desk where the bot learns on this machine.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use turnwise::demo::{report, wilson, Demo, DemoConfig, ProcessSignal, Progress};
+use turnwise::learn::Algo;
+use turnwise::policy::OutputHead;
+
+use super::ModelArgs;
+
+/// Options of `turnwise demo`.
+#[derive(Args)]
+pub struct DemoArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// RL preset after the warm start
+    #[arg(long, value_enum, default_value_t = Algo::A2tgpo)]
+    algo: Algo,
+    /// Seed of scenarios, sampling and the adapter
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Wall-time budget of the whole run, in minutes
+    #[arg(long, default_value_t = 20.0)]
+    minutes: f64,
+    /// A small configuration that finishes in a couple of minutes (checks the plumbing)
+    #[arg(long)]
+    quick: bool,
+    /// Run directory (turn log, adapters, report, plots) [default: demo-runs/<algo>-seed<seed>-<time>]
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Most RL iterations [default: as many as the budget allows]
+    #[arg(long)]
+    iterations: Option<usize>,
+    /// Held-out scenarios per evaluation
+    #[arg(long)]
+    eval: Option<usize>,
+    /// Evaluate on the held-out set every N iterations too (0: only before and after RL)
+    #[arg(long)]
+    eval_every: Option<usize>,
+    /// Skip the base-model evaluation
+    #[arg(long)]
+    no_base_eval: bool,
+    /// Expert demonstrations for the warm start
+    #[arg(long)]
+    demos: Option<usize>,
+    /// Warm-start epochs
+    #[arg(long)]
+    warm_epochs: Option<usize>,
+    /// Training scenarios per iteration
+    #[arg(long)]
+    scenarios: Option<usize>,
+    /// Rollouts per scenario (the group size)
+    #[arg(long)]
+    group: Option<usize>,
+    /// Process signal of A²TGPO / ATPO: info-gain, contribution (value head) or none (outcome only)
+    #[arg(long, value_enum)]
+    process: Option<ProcessSignal>,
+    /// Largest |approx KL| of an update that is activated
+    #[arg(long)]
+    gate_kl: Option<f64>,
+    /// RL learning rate
+    #[arg(long)]
+    lr: Option<f64>,
+    /// RL epochs per update
+    #[arg(long)]
+    epochs: Option<usize>,
+    /// Rollout temperature
+    #[arg(long)]
+    temperature: Option<f32>,
+}
+
+impl DemoArgs {
+    fn config(&self) -> DemoConfig {
+        let mut c = if self.quick {
+            DemoConfig::quick(self.algo, self.seed)
+        } else {
+            DemoConfig::full(self.algo, self.seed, self.minutes)
+        };
+        macro_rules! set {
+            ($($f:ident => $g:ident),*) => {$(if let Some(v) = self.$f { c.$g = v; })*};
+        }
+        set!(eval => eval_scenarios, eval_every => eval_every, demos => demos,
+             warm_epochs => warm_epochs, scenarios => scenarios_per_iter, group => group_size,
+             process => process, gate_kl => gate_kl, lr => lr, epochs => epochs,
+             temperature => temperature);
+        if self.iterations.is_some() {
+            c.max_iterations = self.iterations;
+        }
+        if self.no_base_eval {
+            c.eval_base = false;
+        }
+        c
+    }
+}
+
+/// Runs the demo and prints the summary.
+///
+/// # Errors
+/// Model, engine, store and report errors.
+pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
+    let cfg = args.config();
+    if cfg.demos == 0 || cfg.scenarios_per_iter == 0 || cfg.group_size == 0 || cfg.eval_scenarios == 0 {
+        anyhow::bail!("--demos, --scenarios, --group and --eval must be at least 1");
+    }
+    let algo = format!("{:?}", cfg.algo).to_lowercase();
+    let out = args.out.clone().unwrap_or_else(|| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        PathBuf::from("demo-runs").join(format!("{algo}-seed{}-{t}", cfg.seed))
+    });
+    let db = out.join("turnwise.db");
+    if db.exists() {
+        anyhow::bail!(
+            "{} already holds a demo run; choose another --out",
+            out.display()
+        );
+    }
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    eprintln!(
+        "Turnwise demo: {algo}, seed {}, {} → run directory {}",
+        cfg.seed,
+        if args.quick {
+            "quick configuration".to_string()
+        } else {
+            format!("{} minutes", cfg.minutes)
+        },
+        out.display()
+    );
+    let engine = args.model.start(verbose)?;
+    let head = OutputHead::from_gguf(&engine.info().path)?;
+    let demo = Demo::new(&engine, &head, &db, cfg)?;
+    let style = ProgressStyle::with_template("{prefix:>16} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    let mut bar: Option<ProgressBar> = None;
+    let mut on = |p: Progress| match p {
+        Progress::Phase(name, n) => {
+            let b = ProgressBar::new(n as u64);
+            b.set_style(style.clone());
+            b.set_prefix(name.to_string());
+            bar = Some(b);
+        }
+        Progress::Tick(_) => {
+            if let Some(b) = &bar {
+                b.inc(1);
+            }
+        }
+        Progress::Done(_) => {
+            if let Some(b) = bar.take() {
+                b.finish();
+            }
+        }
+    };
+    let result = demo.run(&mut on)?;
+    let files = report::write(&result, &out)?;
+
+    println!();
+    println!("{:<14} {:>9} {:>17} {:>12}", "evaluation", "success", "95 % interval", "mean reward");
+    for e in &result.evals {
+        let k = e.success.iter().filter(|&&b| b).count();
+        let (lo, hi) = wilson(k, e.success.len());
+        println!(
+            "{:<14} {:>8.1}% {:>7.1}% – {:>5.1}% {:>12.3}",
+            e.label,
+            100.0 * e.rate(),
+            100.0 * lo,
+            100.0 * hi,
+            e.reward.iter().sum::<f64>() / e.reward.len().max(1) as f64
+        );
+    }
+    let (d, lo, hi) = result.rl_gain;
+    let activated = result.iterations.iter().filter(|i| i.activated).count();
+    println!(
+        "\nRL iterations: {} ({} activated); RL's gain on held-out success: {:+.1} points (95 % bootstrap [{:+.1}, {:+.1}]); wall time {:.1} min",
+        result.iterations.len(),
+        activated,
+        100.0 * d,
+        100.0 * lo,
+        100.0 * hi,
+        result.wall_s / 60.0
+    );
+    for f in files {
+        println!("  {}", f.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}

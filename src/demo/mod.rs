@@ -1,0 +1,768 @@
+//! `turnwise demo`: the whole loop on the simulated customer-service desk of [`crate::env`].
+//!
+//! base evaluation → supervised warm start on scripted-expert demonstrations (training templates
+//! only) → baseline evaluation → iterations of {roll out training scenarios several times each with
+//! the active adapter, log them as `source = demo` sessions grouped by scenario, annotate, update,
+//! gate, activate} → final evaluation. Evaluations are greedy, on one fixed set of held-out
+//! scenarios (templates no training session ever used), so that every evaluation is paired.
+
+pub mod report;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::adapter::{adapter_dir, Adapter};
+use crate::env::{self, Desk, Observation, Scenario};
+use crate::error::{Error, Result};
+use crate::learn::annotate::{annotate_sessions, AnnotateConfig};
+use crate::learn::{run_update, Algo, Selection, TrainConfig};
+use crate::policy::sampler::Rng;
+use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams};
+use crate::replay::{import_conversation, Conversation};
+use crate::session::turns_from_generation;
+use crate::store::{NewSession, Source, Store};
+
+/// Which per-turn process signal the A²TGPO advantage uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProcessSignal {
+    /// information gain of the ground-truth action (teacher-forced, frozen policy)
+    InfoGain,
+    /// the value head's success contribution V(s_t+1) − V(s_t)
+    Contribution,
+    /// none: outcome-only advantages (α = 0)
+    None,
+}
+
+/// Settings of a demo run.
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoConfig {
+    /// RL preset
+    pub algo: Algo,
+    /// seed of scenarios, sampling and the fresh adapter
+    pub seed: u64,
+    /// wall-time budget of the whole run in minutes (the RL phase stops early enough to leave
+    /// time for the final evaluation)
+    pub minutes: f64,
+    /// most RL iterations (None: as many as the budget allows)
+    pub max_iterations: Option<usize>,
+    /// held-out scenarios per evaluation
+    pub eval_scenarios: usize,
+    /// evaluate the base model (no adapter) too
+    pub eval_base: bool,
+    /// expert demonstrations for the warm start
+    pub demos: usize,
+    /// warm-start epochs
+    pub warm_epochs: usize,
+    /// training scenarios per iteration
+    pub scenarios_per_iter: usize,
+    /// rollouts per scenario (the group)
+    pub group_size: usize,
+    /// the customer leaves after this many agent replies
+    pub patience: usize,
+    /// most tokens per agent reply
+    pub max_tokens: usize,
+    /// rollout temperature (top-k and top-p are off, so behaviour = policy at this temperature)
+    pub temperature: f32,
+    /// A²TGPO / ATPO process signal
+    pub process: ProcessSignal,
+    /// largest |approx KL| of an update that may be activated
+    pub gate_kl: f64,
+    /// RL learning rate
+    pub lr: f64,
+    /// RL epochs per update
+    pub epochs: usize,
+    /// evaluate on the held-out set every this many iterations (0: only at the end)
+    pub eval_every: usize,
+}
+
+impl DemoConfig {
+    /// The full configuration (`turnwise demo`).
+    pub fn full(algo: Algo, seed: u64, minutes: f64) -> Self {
+        DemoConfig {
+            algo,
+            seed,
+            minutes,
+            max_iterations: None,
+            eval_scenarios: 60,
+            eval_base: true,
+            demos: 40,
+            warm_epochs: 6,
+            scenarios_per_iter: 8,
+            group_size: 4,
+            patience: 5,
+            max_tokens: 32,
+            temperature: 1.0,
+            process: ProcessSignal::InfoGain,
+            gate_kl: 0.05,
+            lr: 2e-3,
+            epochs: 2,
+            eval_every: 0,
+        }
+    }
+
+    /// A small configuration that finishes in a couple of minutes (plumbing, not learning).
+    pub fn quick(algo: Algo, seed: u64) -> Self {
+        DemoConfig {
+            max_iterations: Some(2),
+            eval_scenarios: 4,
+            demos: 8,
+            warm_epochs: 2,
+            scenarios_per_iter: 2,
+            group_size: 2,
+            patience: 3,
+            max_tokens: 20,
+            eval_every: 1,
+            ..DemoConfig::full(algo, seed, 5.0)
+        }
+    }
+}
+
+/// One greedy evaluation on the held-out set.
+#[derive(Debug, Clone, Serialize)]
+pub struct Evaluation {
+    /// `base`, `warm start`, `iteration N`, `final`
+    pub label: String,
+    /// RL iterations done when it ran
+    pub iteration: usize,
+    /// the adapter evaluated
+    pub adapter_id: Option<i64>,
+    /// success per held-out scenario (same order in every evaluation)
+    pub success: Vec<bool>,
+    /// reward per scenario
+    pub reward: Vec<f64>,
+    /// mean agent replies per session
+    pub mean_turns: f64,
+    /// malformed action lines per session
+    pub malformed_per_session: f64,
+    /// every session as (role, text) pairs after the system prompt
+    pub transcripts: Vec<Vec<(String, String)>>,
+}
+
+impl Evaluation {
+    /// Success rate.
+    pub fn rate(&self) -> f64 {
+        mean(&self.success.iter().map(|&b| f64::from(u8::from(b))).collect::<Vec<_>>())
+    }
+}
+
+/// One RL iteration.
+#[derive(Debug, Clone, Serialize)]
+pub struct Iteration {
+    /// 1-based
+    pub iteration: usize,
+    /// the adapter the rollouts were sampled with
+    pub sampled_with: Option<i64>,
+    /// success rate of the rollouts
+    pub train_success: f64,
+    /// mean reward of the rollouts
+    pub train_reward: f64,
+    /// sessions logged
+    pub sessions: usize,
+    /// the `updates` row
+    pub update_id: Option<i64>,
+    /// the candidate adapter
+    pub candidate: Option<i64>,
+    /// the candidate passed the gate and is active
+    pub activated: bool,
+    /// why the update or the gate failed
+    pub note: Option<String>,
+    /// the update's diagnostics
+    pub diagnostics: Value,
+    /// seconds since the start of the run
+    pub elapsed_s: f64,
+}
+
+/// Everything a run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoResult {
+    /// settings
+    pub config: DemoConfig,
+    /// the model
+    pub model: String,
+    /// evaluations in order
+    pub evals: Vec<Evaluation>,
+    /// RL iterations
+    pub iterations: Vec<Iteration>,
+    /// the warm-start adapter
+    pub warm_adapter: Option<i64>,
+    /// the active adapter at the end
+    pub final_adapter: Option<i64>,
+    /// seconds per phase
+    pub phase_seconds: Vec<(String, f64)>,
+    /// total wall time
+    pub wall_s: f64,
+    /// paired bootstrap of final − warm-start held-out success: (difference, 2.5 %, 97.5 %)
+    pub rl_gain: (f64, f64, f64),
+}
+
+/// Progress events for the front end.
+pub enum Progress<'a> {
+    /// a phase starts with this many steps
+    Phase(&'a str, usize),
+    /// one more step is done
+    Tick(&'a str),
+    /// the phase is over
+    Done(&'a str),
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+/// Paired bootstrap of `mean(b) − mean(a)`: (point estimate, 2.5 % and 97.5 % quantiles).
+pub fn paired_bootstrap(a: &[bool], b: &[bool], reps: usize, seed: u64) -> (f64, f64, f64) {
+    let n = a.len().min(b.len());
+    if n == 0 {
+        return (0.0, 0.0, 0.0);
+    }
+    let d: Vec<f64> = (0..n)
+        .map(|i| f64::from(u8::from(b[i])) - f64::from(u8::from(a[i])))
+        .collect();
+    let point = mean(&d);
+    let mut rng = Rng::new(seed);
+    let mut means: Vec<f64> = (0..reps)
+        .map(|_| {
+            (0..n)
+                .map(|_| d[(rng.next_u64() % n as u64) as usize])
+                .sum::<f64>()
+                / n as f64
+        })
+        .collect();
+    means.sort_by(f64::total_cmp);
+    let q = |p: f64| means[((p * (reps - 1) as f64).round() as usize).min(reps - 1)];
+    (point, q(0.025), q(0.975))
+}
+
+/// Wilson 95 % interval of a success rate.
+pub fn wilson(successes: usize, n: usize) -> (f64, f64) {
+    if n == 0 {
+        return (0.0, 1.0);
+    }
+    let (z, nf) = (1.96f64, n as f64);
+    let p = successes as f64 / nf;
+    let den = 1.0 + z * z / nf;
+    let c = (p + z * z / (2.0 * nf)) / den;
+    let h = z * ((p * (1.0 - p) / nf + z * z / (4.0 * nf * nf)).sqrt()) / den;
+    ((c - h).max(0.0), (c + h).min(1.0))
+}
+
+/// How one played session went.
+#[derive(Debug, Clone)]
+pub struct Played {
+    /// the desk at the end
+    pub desk: Desk,
+    /// (role, text) of every message after the system prompt
+    pub transcript: Vec<(Role, String)>,
+    /// the logged session
+    pub session_id: Option<i64>,
+}
+
+/// Where and how a session is logged.
+pub struct LogTo<'a> {
+    /// the store
+    pub store: &'a mut Store,
+    /// group key (the scenario)
+    pub group: String,
+    /// metadata of the session
+    pub metadata: Value,
+}
+
+/// Plays one session of `scenario` with the engine's current adapter; logs it when `log` is
+/// given (turns appended as they happen, outcome and end at the end).
+///
+/// # Errors
+/// Engine and store errors.
+pub fn play(
+    engine: &Engine,
+    scenario: &Scenario,
+    patience: usize,
+    params: &SamplerParams,
+    key: u64,
+    mut log: Option<LogTo<'_>>,
+) -> Result<Played> {
+    let mut desk = Desk::new(scenario.clone(), patience);
+    let opening = scenario.opening();
+    let mut pending = vec![
+        Message::new(Role::System, env::SYSTEM_PROMPT),
+        Message::new(Role::User, opening.clone()),
+    ];
+    let mut transcript = vec![(Role::User, opening)];
+    let session_id = match log.as_mut() {
+        Some(l) => Some(l.store.create_session(&NewSession {
+            source: Source::Demo,
+            group_key: Some(l.group.clone()),
+            reference: Some(env::action_line(&scenario.ground_truth)),
+            content_hash: None,
+            metadata: l.metadata.clone(),
+        })?),
+        None => None,
+    };
+    let result = (|| {
+        for turn in 0.. {
+            let mut p = params.clone();
+            p.seed = params.seed.wrapping_add(turn);
+            let gen = engine.generate(key, std::mem::take(&mut pending), p.clone(), None)?;
+            if let (Some(l), Some(sid)) = (log.as_mut(), session_id) {
+                l.store
+                    .append_turns(sid, &turns_from_generation(&gen, &p, engine.info()))?;
+            }
+            let text = gen.reply.text.trim().to_string();
+            transcript.push((Role::Assistant, text.clone()));
+            match desk.step(&text) {
+                Observation::Customer(t) => {
+                    transcript.push((Role::User, t.clone()));
+                    pending.push(Message::new(Role::User, t));
+                }
+                Observation::Tool(t) => {
+                    transcript.push((Role::Tool, t.clone()));
+                    pending.push(Message::new(Role::Tool, t));
+                }
+                Observation::End => break,
+            }
+        }
+        Ok::<_, Error>(())
+    })();
+    engine.close(key);
+    result?;
+    if let (Some(l), Some(sid)) = (log.as_mut(), session_id) {
+        l.store
+            .add_feedback(sid, None, "outcome", Some(desk.reward()), Some("demo"))?;
+        l.store.end_session(sid)?;
+    }
+    Ok(Played {
+        desk,
+        transcript,
+        session_id,
+    })
+}
+
+/// The scripted expert's session of `scenario` as a conversation to import.
+pub fn expert_conversation(scenario: &Scenario, patience: usize) -> Conversation {
+    let mut desk = Desk::new(scenario.clone(), patience.max(6));
+    let mut messages = vec![
+        Message::new(Role::System, env::SYSTEM_PROMPT),
+        Message::new(Role::User, scenario.opening()),
+    ];
+    let mut seen = Vec::new();
+    loop {
+        let reply = env::expert_reply(&desk, &seen);
+        messages.push(Message::new(Role::Assistant, reply.clone()));
+        let obs = desk.step(&reply);
+        match &obs {
+            Observation::Customer(t) => messages.push(Message::new(Role::User, t.clone())),
+            Observation::Tool(t) => messages.push(Message::new(Role::Tool, t.clone())),
+            Observation::End => break,
+        }
+        seen.push(obs);
+    }
+    Conversation {
+        messages,
+        outcome: Some(desk.reward()),
+        reference: Some(env::action_line(&scenario.ground_truth)),
+        group: Some(format!("expert:{:?}", scenario.intent).to_lowercase()),
+        metadata: json!({"demo": "expert", "intent": format!("{:?}", scenario.intent), "template": scenario.template}),
+    }
+}
+
+/// The run: owns the engine handle, the run's store and the measurements.
+pub struct Demo<'a> {
+    engine: &'a Engine,
+    head: &'a OutputHead,
+    store: Store,
+    db: PathBuf,
+    cfg: DemoConfig,
+    held_out: Vec<Scenario>,
+    active: Option<(i64, Arc<Adapter>)>,
+    start: Instant,
+    next_key: u64,
+    /// measurements so far
+    pub result: DemoResult,
+}
+
+impl<'a> Demo<'a> {
+    /// A run logging to `db` (a fresh file in the run directory).
+    ///
+    /// # Errors
+    /// Store errors.
+    pub fn new(engine: &'a Engine, head: &'a OutputHead, db: &Path, cfg: DemoConfig) -> Result<Self> {
+        let store = Store::open(db)?;
+        let mut rng = Rng::new(cfg.seed ^ 0x4845_4c44_4f55_5421);
+        let held_out = (0..cfg.eval_scenarios)
+            .map(|_| env::scenario(&mut rng, true))
+            .collect();
+        Ok(Demo {
+            engine,
+            head,
+            store,
+            db: db.to_path_buf(),
+            held_out,
+            active: None,
+            start: Instant::now(),
+            next_key: 1 << 40,
+            result: DemoResult {
+                config: cfg.clone(),
+                model: engine.info().name.clone(),
+                evals: Vec::new(),
+                iterations: Vec::new(),
+                warm_adapter: None,
+                final_adapter: None,
+                phase_seconds: Vec::new(),
+                wall_s: 0.0,
+                rl_gain: (0.0, 0.0, 0.0),
+            },
+            cfg,
+        })
+    }
+
+    /// The run's store (read access for reports and tests).
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn key(&mut self) -> u64 {
+        self.next_key += 1;
+        self.next_key
+    }
+
+    fn activate(&mut self, id: i64) -> Result<()> {
+        let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, id))?);
+        self.store.activate_adapter(id)?;
+        self.engine.set_adapter(Some((id, ad.clone())))?;
+        self.active = Some((id, ad));
+        Ok(())
+    }
+
+    /// Greedy evaluation of the current adapter on the held-out set.
+    ///
+    /// # Errors
+    /// Engine errors.
+    pub fn evaluate(&mut self, label: &str, progress: &mut dyn FnMut(Progress)) -> Result<f64> {
+        let t = Instant::now();
+        progress(Progress::Phase(label, self.held_out.len()));
+        let params = SamplerParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            max_tokens: self.cfg.max_tokens,
+            ..Default::default()
+        };
+        let mut ev = Evaluation {
+            label: label.to_string(),
+            iteration: self.result.iterations.len(),
+            adapter_id: self.active.as_ref().map(|a| a.0),
+            success: Vec::new(),
+            reward: Vec::new(),
+            mean_turns: 0.0,
+            malformed_per_session: 0.0,
+            transcripts: Vec::new(),
+        };
+        let (mut turns, mut malformed) = (0usize, 0usize);
+        for s in self.held_out.clone() {
+            let key = self.key();
+            let p = play(self.engine, &s, self.cfg.patience, &params, key, None)?;
+            ev.success.push(p.desk.success());
+            ev.reward.push(p.desk.reward());
+            turns += p.desk.agent_turns;
+            malformed += p.desk.malformed;
+            ev.transcripts.push(
+                p.transcript
+                    .iter()
+                    .map(|(r, t)| (r.as_str().to_string(), t.clone()))
+                    .collect(),
+            );
+            progress(Progress::Tick(label));
+        }
+        let n = self.held_out.len().max(1) as f64;
+        ev.mean_turns = turns as f64 / n;
+        ev.malformed_per_session = malformed as f64 / n;
+        let rate = ev.rate();
+        self.result.evals.push(ev);
+        self.phase(&format!("evaluation: {label}"), t);
+        progress(Progress::Done(label));
+        Ok(rate)
+    }
+
+    fn phase(&mut self, name: &str, t: Instant) {
+        self.result
+            .phase_seconds
+            .push((name.to_string(), t.elapsed().as_secs_f64()));
+    }
+
+    /// Imports the expert's demonstrations (training templates only) and fits the warm-start
+    /// adapter on them; it becomes active.
+    ///
+    /// # Errors
+    /// Engine, store and update errors.
+    pub fn warm_start(&mut self, progress: &mut dyn FnMut(Progress)) -> Result<i64> {
+        let t = Instant::now();
+        let mut rng = Rng::new(self.cfg.seed ^ 0x5741_524d);
+        progress(Progress::Phase("demonstrations", self.cfg.demos));
+        for _ in 0..self.cfg.demos {
+            let s = env::scenario(&mut rng, false);
+            let c = expert_conversation(&s, self.cfg.patience);
+            import_conversation(self.engine, &mut self.store, &c)?;
+            progress(Progress::Tick("demonstrations"));
+        }
+        progress(Progress::Done("demonstrations"));
+        self.phase("demonstrations", t);
+        let t = Instant::now();
+        let mut cfg = TrainConfig::preset(Algo::Sft);
+        cfg.epochs = self.cfg.warm_epochs;
+        cfg.seed = self.cfg.seed;
+        let sel = Selection {
+            source: Some(Source::Import),
+            since: None,
+            limit: self.cfg.demos,
+        };
+        progress(Progress::Phase("warm start", 1));
+        let r = run_update(
+            &mut self.store,
+            &self.db,
+            self.head,
+            None,
+            &cfg,
+            &sel,
+            |_, _, _| {},
+        )?;
+        let id = r
+            .adapter_id
+            .ok_or_else(|| Error::Invalid("the warm start wrote no adapter".into()))?;
+        self.activate(id)?;
+        self.result.warm_adapter = Some(id);
+        progress(Progress::Done("warm start"));
+        self.phase("warm start", t);
+        Ok(id)
+    }
+
+    /// One RL iteration: rollouts, annotation, update, gate, activation.
+    ///
+    /// # Errors
+    /// Engine and store errors (a rejected update is recorded, not an error).
+    pub fn iteration(&mut self, progress: &mut dyn FnMut(Progress)) -> Result<&Iteration> {
+        let it = self.result.iterations.len() + 1;
+        let label = format!("iteration {it}");
+        let n = self.cfg.scenarios_per_iter * self.cfg.group_size;
+        progress(Progress::Phase(&label, n + 2));
+        let mut rng = Rng::new(self.cfg.seed.wrapping_mul(0x9E37_79B9).wrapping_add(it as u64));
+        let params = SamplerParams {
+            temperature: self.cfg.temperature,
+            top_k: 0,
+            top_p: 1.0,
+            max_tokens: self.cfg.max_tokens,
+            ..Default::default()
+        };
+        let sampled_with = self.active.as_ref().map(|a| a.0);
+        let (mut ids, mut succ, mut rew) = (Vec::new(), 0usize, 0.0);
+        for k in 0..self.cfg.scenarios_per_iter {
+            let s = env::scenario(&mut rng, false);
+            for g in 0..self.cfg.group_size {
+                let mut p = params.clone();
+                p.seed = rng.next_u64();
+                let key = self.key();
+                let log = LogTo {
+                    store: &mut self.store,
+                    group: format!("it{it}:s{k}"),
+                    metadata: json!({"iteration": it, "intent": format!("{:?}", s.intent), "template": s.template, "rollout": g}),
+                };
+                let played = play(self.engine, &s, self.cfg.patience, &p, key, Some(log))?;
+                succ += usize::from(played.desk.success());
+                rew += played.desk.reward();
+                ids.extend(played.session_id);
+                progress(Progress::Tick(&label));
+            }
+        }
+        // step-level credit: information gain of the ground truth with the frozen policy
+        let uses_process = matches!(
+            self.cfg.algo,
+            Algo::A2tgpo | Algo::Atpo
+        ) && self.cfg.process != ProcessSignal::None;
+        if uses_process {
+            let value_head = match &self.active {
+                Some((_, a)) => a.clone(),
+                None => Arc::new(Adapter::fresh(
+                    self.engine.info().n_embd,
+                    self.engine.info().n_vocab,
+                    8,
+                    16.0,
+                    self.cfg.seed,
+                    &self.engine.info().name,
+                )),
+            };
+            let with_engine = (self.cfg.process == ProcessSignal::InfoGain).then_some(self.engine);
+            annotate_sessions(
+                &mut self.store,
+                &ids,
+                &value_head,
+                self.active.as_ref().map(|a| a.0),
+                with_engine,
+                &AnnotateConfig::default(),
+            )?;
+        }
+        progress(Progress::Tick(&label));
+        let mut cfg = TrainConfig::preset(self.cfg.algo);
+        cfg.lr = self.cfg.lr;
+        cfg.epochs = self.cfg.epochs;
+        cfg.seed = self.cfg.seed;
+        if self.cfg.process == ProcessSignal::None {
+            cfg.alpha = 0.0;
+        }
+        let sel = Selection {
+            source: Some(Source::Demo),
+            since: None,
+            limit: ids.len(),
+        };
+        let (mut update_id, mut candidate, mut activated, mut note, mut diagnostics) =
+            (None, None, false, None, Value::Null);
+        match run_update(
+            &mut self.store,
+            &self.db,
+            self.head,
+            self.active.clone(),
+            &cfg,
+            &sel,
+            |_, _, _| {},
+        ) {
+            Ok(r) => {
+                update_id = Some(r.update_id);
+                candidate = r.adapter_id;
+                diagnostics = r.diagnostics;
+                let kl = diagnostics["approx_kl"].as_f64().unwrap_or(f64::NAN).abs();
+                if let Some(id) = candidate {
+                    if kl.is_finite() && kl <= self.cfg.gate_kl {
+                        self.activate(id)?;
+                        activated = true;
+                    } else {
+                        self.store.set_adapter_status(
+                            id,
+                            "rejected",
+                            Some(&json!({"gate": {"approx_kl": kl, "bound": self.cfg.gate_kl}})),
+                        )?;
+                        note = Some(format!("gate: |approx KL| {kl:.4} > {}", self.cfg.gate_kl));
+                    }
+                }
+            }
+            Err(Error::Invalid(m)) => note = Some(m),
+            Err(e) => return Err(e),
+        }
+        progress(Progress::Tick(&label));
+        progress(Progress::Done(&label));
+        let total = n.max(1) as f64;
+        self.result.iterations.push(Iteration {
+            iteration: it,
+            sampled_with,
+            train_success: succ as f64 / total,
+            train_reward: rew / total,
+            sessions: ids.len(),
+            update_id,
+            candidate,
+            activated,
+            note,
+            diagnostics,
+            elapsed_s: self.start.elapsed().as_secs_f64(),
+        });
+        Ok(self.result.iterations.last().expect("just pushed"))
+    }
+
+    /// The whole run within the time budget.
+    ///
+    /// # Errors
+    /// Engine, store and update errors.
+    pub fn run(mut self, progress: &mut dyn FnMut(Progress)) -> Result<DemoResult> {
+        let budget = self.cfg.minutes * 60.0;
+        if self.cfg.eval_base {
+            self.evaluate("base", progress)?;
+        }
+        self.warm_start(progress)?;
+        let t_eval = Instant::now();
+        self.evaluate("warm start", progress)?;
+        let eval_s = t_eval.elapsed().as_secs_f64();
+        let t_rl = Instant::now();
+        let mut last_iter_s = 0.0f64;
+        loop {
+            let done = self.result.iterations.len();
+            if self.cfg.max_iterations.is_some_and(|m| done >= m) {
+                break;
+            }
+            let elapsed = self.start.elapsed().as_secs_f64();
+            let left = budget - elapsed - eval_s * 1.1;
+            if done > 0 && left < last_iter_s || done == 0 && left <= 0.0 && self.cfg.max_iterations.is_none() {
+                break;
+            }
+            let t = Instant::now();
+            self.iteration(progress)?;
+            last_iter_s = t.elapsed().as_secs_f64();
+            let it = self.result.iterations.len();
+            if self.cfg.eval_every > 0
+                && it.is_multiple_of(self.cfg.eval_every)
+                && self.cfg.max_iterations != Some(it)
+            {
+                self.evaluate(&format!("iteration {it}"), progress)?;
+            }
+        }
+        self.phase("RL iterations", t_rl);
+        self.evaluate("final", progress)?;
+        self.result.final_adapter = self.active.as_ref().map(|a| a.0);
+        let warm = self
+            .result
+            .evals
+            .iter()
+            .find(|e| e.label == "warm start")
+            .map(|e| e.success.clone())
+            .unwrap_or_default();
+        let fin = self
+            .result
+            .evals
+            .last()
+            .map(|e| e.success.clone())
+            .unwrap_or_default();
+        self.result.rl_gain = paired_bootstrap(&warm, &fin, 10_000, self.cfg.seed);
+        self.result.wall_s = self.start.elapsed().as_secs_f64();
+        Ok(self.result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bootstrap_and_wilson_intervals() {
+        // identical outcomes: no difference, zero-width interval
+        let a = vec![true, false, true, false];
+        assert_eq!(paired_bootstrap(&a, &a, 200, 1), (0.0, 0.0, 0.0));
+        // every pair improves: difference 1 with certainty
+        let b = vec![false; 6];
+        let c = vec![true; 6];
+        assert_eq!(paired_bootstrap(&b, &c, 200, 1), (1.0, 1.0, 1.0));
+        // half the pairs improve: point 0.5, interval inside [0, 1] and around 0.5
+        let d: Vec<bool> = (0..40).map(|i| i % 2 == 0).collect();
+        let (p, lo, hi) = paired_bootstrap(&vec![false; 40], &d, 2000, 3);
+        assert_eq!(p, 0.5);
+        assert!(lo > 0.3 && lo < 0.5 && hi > 0.5 && hi < 0.7, "{lo} {hi}");
+        // Wilson: 0 of 10 → [0, 0.2775]; 5 of 10 → [0.2366, 0.7634]
+        let (l, h) = wilson(0, 10);
+        assert!(l.abs() < 1e-12 && (h - 0.2775).abs() < 1e-3, "{h}");
+        let (l, h) = wilson(5, 10);
+        assert!((l - 0.2366).abs() < 1e-3 && (h - 0.7634).abs() < 1e-3);
+    }
+
+    #[test]
+    fn the_expert_solves_every_training_scenario() {
+        let mut rng = Rng::new(11);
+        for _ in 0..200 {
+            let s = env::scenario(&mut rng, false);
+            let c = expert_conversation(&s, 5);
+            assert_eq!(c.outcome, Some(1.0), "{s:?}\n{:#?}", c.messages);
+            assert!(c.messages.len() <= 2 + 2 * 5, "{:#?}", c.messages);
+        }
+    }
+}

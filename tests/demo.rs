@@ -1,0 +1,113 @@
+//! `turnwise demo --quick` end to end with the real binary: the plumbing of the loop, not a
+//! learning result.
+
+use std::collections::BTreeMap;
+
+use turnwise::store::Store;
+
+use crate::common::{show, tempdir, turnwise};
+
+#[test]
+fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
+    let dir = tempdir();
+    let out = dir.path().join("run");
+    // the --db of the command line is not used: the run keeps its own log in its directory
+    let o = turnwise(&dir.path().join("unused.db"))
+        .args(["demo", "--quick", "--seed", "2", "--gate-kl", "100", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("warm start") && stdout.contains("final"), "{stdout}");
+
+    // report files
+    for f in ["report.md", "result.json", "heldout_success.png", "training.png"] {
+        let p = out.join(f);
+        let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        assert!(bytes.len() > 100, "{f} is too small");
+        if f.ends_with(".png") {
+            assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{f} is not a PNG");
+        }
+    }
+    let report = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(report.contains("| final |"), "{report}");
+    let result: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
+    let labels: Vec<&str> = result["evals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["label"].as_str().unwrap())
+        .collect();
+    assert_eq!(labels, ["base", "warm start", "iteration 1", "final"]);
+    let iterations = result["iterations"].as_array().unwrap();
+    assert_eq!(iterations.len(), 2);
+
+    // the turn log
+    let store = Store::open(&out.join("turnwise.db")).unwrap();
+    let conn = store.connection();
+    let warm: i64 = result["warm_adapter"].as_i64().unwrap();
+    // every RL rollout turn of the agent is stamped with the adapter it was sampled with, and the
+    // adapter advances from iteration to iteration: warm start → candidate 1 → candidate 2
+    let mut by_iteration: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
+    let mut st = conn
+        .prepare(
+            "SELECT json_extract(s.metadata, '$.iteration'), t.adapter_id FROM turns t
+             JOIN sessions s ON s.id = t.session_id
+             WHERE s.source = 'demo' AND t.role = 'assistant'",
+        )
+        .unwrap();
+    let rows = st
+        .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Option<i64>>(1)?)))
+        .unwrap();
+    for row in rows {
+        let (it, adapter) = row.unwrap();
+        by_iteration
+            .entry(it)
+            .or_default()
+            .push(adapter.expect("every sampled agent turn has an adapter id"));
+    }
+    assert_eq!(by_iteration.len(), 2);
+    assert!(by_iteration[&1].iter().all(|&a| a == warm));
+    let first_candidate = iterations[0]["candidate"].as_i64().unwrap();
+    assert!(first_candidate > warm);
+    assert!(by_iteration[&2].iter().all(|&a| a == first_candidate));
+    let last = iterations[1]["candidate"].as_i64().unwrap();
+    assert_eq!(store.active_adapter().unwrap().map(|a| a.id), Some(last));
+    assert_eq!(store.adapter(last).unwrap().parent_id, Some(first_candidate));
+
+    // one updates row for the warm start and one per iteration
+    let updates: Vec<(String, String)> = conn
+        .prepare("SELECT algo, status FROM updates ORDER BY id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        updates,
+        [("sft", "ok"), ("a2tgpo", "ok"), ("a2tgpo", "ok")]
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+    );
+    // step-level credit: one turn_credit row per agent turn, with an information gain
+    let sessions: Vec<i64> = conn
+        .prepare("SELECT id FROM sessions WHERE source = 'demo'")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(sessions.len(), 8, "2 iterations × 2 scenarios × 2 rollouts");
+    for sid in sessions {
+        let agent_turns = store
+            .turns(sid)
+            .unwrap()
+            .iter()
+            .filter(|t| t.role == turnwise::Role::Assistant)
+            .count();
+        let credit = store.turn_credit(sid).unwrap();
+        assert_eq!(credit.len(), agent_turns);
+        assert!(credit.iter().all(|c| c.info_gain.is_some()), "{credit:?}");
+    }
+}
