@@ -13,16 +13,32 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
     let out = dir.path().join("run");
     // the --db of the command line is not used: the run keeps its own log in its directory
     let o = turnwise(&dir.path().join("unused.db"))
-        .args(["demo", "--quick", "--seed", "2", "--gate-kl", "100", "--out"])
+        .args([
+            "demo",
+            "--quick",
+            "--seed",
+            "2",
+            "--gate-kl",
+            "100",
+            "--out",
+        ])
         .arg(&out)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", show(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(stdout.contains("warm start") && stdout.contains("final"), "{stdout}");
+    assert!(
+        stdout.contains("warm start") && stdout.contains("final"),
+        "{stdout}"
+    );
 
     // report files
-    for f in ["report.md", "result.json", "heldout_success.png", "training.png"] {
+    for f in [
+        "report.md",
+        "result.json",
+        "heldout_success.png",
+        "training.png",
+    ] {
         let p = out.join(f);
         let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
         assert!(bytes.len() > 100, "{f} is too small");
@@ -59,7 +75,9 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
         )
         .unwrap();
     let rows = st
-        .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Option<i64>>(1)?)))
+        .query_map([], |r| {
+            Ok((r.get::<_, i64>(0)?, r.get::<_, Option<i64>>(1)?))
+        })
         .unwrap();
     for row in rows {
         let (it, adapter) = row.unwrap();
@@ -75,7 +93,10 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
     assert!(by_iteration[&2].iter().all(|&a| a == first_candidate));
     let last = iterations[1]["candidate"].as_i64().unwrap();
     assert_eq!(store.active_adapter().unwrap().map(|a| a.id), Some(last));
-    assert_eq!(store.adapter(last).unwrap().parent_id, Some(first_candidate));
+    assert_eq!(
+        store.adapter(last).unwrap().parent_id,
+        Some(first_candidate)
+    );
 
     // one updates row for the warm start and one per iteration
     let updates: Vec<(String, String)> = conn

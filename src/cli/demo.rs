@@ -71,6 +71,16 @@ pub struct DemoArgs {
     /// Rollout temperature
     #[arg(long)]
     temperature: Option<f32>,
+    /// The experience library (step-level retrieval of strategies and warnings): on or off
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    experience: OnOff,
+}
+
+/// A switch.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum OnOff {
+    On,
+    Off,
 }
 
 impl DemoArgs {
@@ -90,6 +100,7 @@ impl DemoArgs {
         if self.iterations.is_some() {
             c.max_iterations = self.iterations;
         }
+        c.experience = self.experience == OnOff::On;
         if self.no_base_eval {
             c.eval_base = false;
         }
@@ -103,7 +114,11 @@ impl DemoArgs {
 /// Model, engine, store and report errors.
 pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let cfg = args.config();
-    if cfg.demos == 0 || cfg.scenarios_per_iter == 0 || cfg.group_size == 0 || cfg.eval_scenarios == 0 {
+    if cfg.demos == 0
+        || cfg.scenarios_per_iter == 0
+        || cfg.group_size == 0
+        || cfg.eval_scenarios == 0
+    {
         anyhow::bail!("--demos, --scenarios, --group and --eval must be at least 1");
     }
     let algo = format!("{:?}", cfg.algo).to_lowercase();
@@ -135,9 +150,10 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let engine = args.model.start(verbose)?;
     let head = OutputHead::from_gguf(&engine.info().path)?;
     let demo = Demo::new(&engine, &head, &db, cfg)?;
-    let style = ProgressStyle::with_template("{prefix:>16} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}")
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> ");
+    let style =
+        ProgressStyle::with_template("{prefix:>16} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
     let mut bar: Option<ProgressBar> = None;
     let mut on = |p: Progress| match p {
         Progress::Phase(name, n) => {
@@ -161,7 +177,10 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let files = report::write(&result, &out)?;
 
     println!();
-    println!("{:<14} {:>9} {:>17} {:>12}", "evaluation", "success", "95 % interval", "mean reward");
+    println!(
+        "{:<14} {:>9} {:>17} {:>12}",
+        "evaluation", "success", "95 % interval", "mean reward"
+    );
     for e in &result.evals {
         let k = e.success.iter().filter(|&&b| b).count();
         let (lo, hi) = wilson(k, e.success.len());

@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 use crate::adapter::{adapter_dir, Adapter};
 use crate::env::{self, Desk, Observation, Scenario};
 use crate::error::{Error, Result};
+use crate::experience::{EntryRow, Evolution, Library, LibraryConfig};
 use crate::learn::annotate::{annotate_sessions, AnnotateConfig};
 use crate::learn::{run_update, Algo, Selection, TrainConfig};
 use crate::policy::sampler::Rng;
@@ -25,6 +26,10 @@ use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams};
 use crate::replay::{import_conversation, Conversation};
 use crate::session::turns_from_generation;
 use crate::store::{NewSession, Source, Store};
+
+/// The base model is evaluated on the first this-many held-out scenarios only: it never writes an
+/// action (FINDINGS.md), and its rambling replies make each session the slowest of the run.
+pub const BASE_EVAL_SCENARIOS: usize = 20;
 
 /// Which per-turn process signal the A²TGPO advantage uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -66,7 +71,8 @@ pub struct DemoConfig {
     pub patience: usize,
     /// most tokens per agent reply
     pub max_tokens: usize,
-    /// rollout temperature (top-k and top-p are off, so behaviour = policy at this temperature)
+    /// rollout temperature (top-k and top-p are off; below 1 the update reweights tokens with
+    /// truncated importance sampling, because the learner's policy is the temperature-1 one)
     pub temperature: f32,
     /// A²TGPO / ATPO process signal
     pub process: ProcessSignal,
@@ -78,6 +84,8 @@ pub struct DemoConfig {
     pub epochs: usize,
     /// evaluate on the held-out set every this many iterations (0: only at the end)
     pub eval_every: usize,
+    /// the experience library: retrieval at every step, evolved after every update
+    pub experience: bool,
 }
 
 impl DemoConfig {
@@ -88,20 +96,21 @@ impl DemoConfig {
             seed,
             minutes,
             max_iterations: None,
-            eval_scenarios: 60,
+            eval_scenarios: 50,
             eval_base: true,
             demos: 40,
-            warm_epochs: 6,
+            warm_epochs: 20,
             scenarios_per_iter: 8,
             group_size: 4,
             patience: 5,
             max_tokens: 32,
-            temperature: 1.0,
+            temperature: 0.7,
             process: ProcessSignal::InfoGain,
-            gate_kl: 0.05,
-            lr: 2e-3,
+            gate_kl: 0.2,
+            lr: 1e-3,
             epochs: 2,
             eval_every: 0,
+            experience: false,
         }
     }
 
@@ -146,7 +155,13 @@ pub struct Evaluation {
 impl Evaluation {
     /// Success rate.
     pub fn rate(&self) -> f64 {
-        mean(&self.success.iter().map(|&b| f64::from(u8::from(b))).collect::<Vec<_>>())
+        mean(
+            &self
+                .success
+                .iter()
+                .map(|&b| f64::from(u8::from(b)))
+                .collect::<Vec<_>>(),
+        )
     }
 }
 
@@ -173,6 +188,8 @@ pub struct Iteration {
     pub note: Option<String>,
     /// the update's diagnostics
     pub diagnostics: Value,
+    /// what the experience library did with this iteration's sessions
+    pub experience: Option<Evolution>,
     /// seconds since the start of the run
     pub elapsed_s: f64,
 }
@@ -198,6 +215,10 @@ pub struct DemoResult {
     pub wall_s: f64,
     /// paired bootstrap of final − warm-start held-out success: (difference, 2.5 %, 97.5 %)
     pub rl_gain: (f64, f64, f64),
+    /// the experience library's live entries at the end
+    pub experience_entries: Vec<EntryRow>,
+    /// injections recorded in logged turns
+    pub experience_injections: i64,
 }
 
 /// Progress events for the front end.
@@ -266,38 +287,50 @@ pub struct Played {
     pub session_id: Option<i64>,
 }
 
-/// Where and how a session is logged.
-pub struct LogTo<'a> {
-    /// the store
-    pub store: &'a mut Store,
+/// How the agent plays a session.
+#[derive(Debug, Clone)]
+pub struct PlaySettings {
+    /// the customer leaves after this many agent replies
+    pub patience: usize,
+    /// sampler of the agent's replies (reply k uses `seed + k`)
+    pub params: SamplerParams,
+    /// the engine's session key (closed at the end)
+    pub key: u64,
+}
+
+/// How a played session is logged.
+pub struct LogMeta {
     /// group key (the scenario)
     pub group: String,
     /// metadata of the session
     pub metadata: Value,
 }
 
-/// Plays one session of `scenario` with the engine's current adapter; logs it when `log` is
-/// given (turns appended as they happen, outcome and end at the end).
+/// Plays one session of `scenario` with the engine's current adapter. With `log`, the session
+/// is logged in `store` (turns appended as they happen, outcome and end at the end). With
+/// `library`, each observation gets the experience library's injection appended before the agent
+/// replies, and logged sessions record which entries were injected.
 ///
 /// # Errors
 /// Engine and store errors.
 pub fn play(
     engine: &Engine,
+    store: &mut Store,
     scenario: &Scenario,
-    patience: usize,
-    params: &SamplerParams,
-    key: u64,
-    mut log: Option<LogTo<'_>>,
+    how: &PlaySettings,
+    log: Option<LogMeta>,
+    library: Option<&Library>,
 ) -> Result<Played> {
+    let (patience, params, key) = (how.patience, &how.params, how.key);
     let mut desk = Desk::new(scenario.clone(), patience);
     let opening = scenario.opening();
     let mut pending = vec![
         Message::new(Role::System, env::SYSTEM_PROMPT),
-        Message::new(Role::User, opening.clone()),
+        Message::new(Role::User, opening),
     ];
-    let mut transcript = vec![(Role::User, opening)];
-    let session_id = match log.as_mut() {
-        Some(l) => Some(l.store.create_session(&NewSession {
+    let mut transcript = Vec::new();
+    let session_id = match &log {
+        Some(l) => Some(store.create_session(&NewSession {
             source: Source::Demo,
             group_key: Some(l.group.clone()),
             reference: Some(env::action_line(&scenario.ground_truth)),
@@ -308,24 +341,34 @@ pub fn play(
     };
     let result = (|| {
         for turn in 0.. {
+            let injection = match (library, pending.last_mut()) {
+                (Some(lib), Some(m)) => {
+                    let inj = lib.retrieve(store, &m.content)?;
+                    if let Some(i) = &inj {
+                        m.content.push_str(&i.text);
+                    }
+                    inj
+                }
+                _ => None,
+            };
+            if let Some(m) = pending.last() {
+                transcript.push((m.role, m.content.clone()));
+            }
             let mut p = params.clone();
             p.seed = params.seed.wrapping_add(turn);
             let gen = engine.generate(key, std::mem::take(&mut pending), p.clone(), None)?;
-            if let (Some(l), Some(sid)) = (log.as_mut(), session_id) {
-                l.store
-                    .append_turns(sid, &turns_from_generation(&gen, &p, engine.info()))?;
+            if let Some(sid) = session_id {
+                let ids =
+                    store.append_turns(sid, &turns_from_generation(&gen, &p, engine.info()))?;
+                if let (Some(inj), Some(&msg)) = (&injection, ids.iter().rev().nth(1)) {
+                    Library::record(store, msg, inj)?;
+                }
             }
             let text = gen.reply.text.trim().to_string();
             transcript.push((Role::Assistant, text.clone()));
             match desk.step(&text) {
-                Observation::Customer(t) => {
-                    transcript.push((Role::User, t.clone()));
-                    pending.push(Message::new(Role::User, t));
-                }
-                Observation::Tool(t) => {
-                    transcript.push((Role::Tool, t.clone()));
-                    pending.push(Message::new(Role::Tool, t));
-                }
+                Observation::Customer(t) => pending.push(Message::new(Role::User, t)),
+                Observation::Tool(t) => pending.push(Message::new(Role::Tool, t)),
                 Observation::End => break,
             }
         }
@@ -333,10 +376,9 @@ pub fn play(
     })();
     engine.close(key);
     result?;
-    if let (Some(l), Some(sid)) = (log.as_mut(), session_id) {
-        l.store
-            .add_feedback(sid, None, "outcome", Some(desk.reward()), Some("demo"))?;
-        l.store.end_session(sid)?;
+    if let Some(sid) = session_id {
+        store.add_feedback(sid, None, "outcome", Some(desk.reward()), Some("demo"))?;
+        store.end_session(sid)?;
     }
     Ok(Played {
         desk,
@@ -382,6 +424,7 @@ pub struct Demo<'a> {
     cfg: DemoConfig,
     held_out: Vec<Scenario>,
     active: Option<(i64, Arc<Adapter>)>,
+    library: Option<Library>,
     start: Instant,
     next_key: u64,
     /// measurements so far
@@ -393,8 +436,18 @@ impl<'a> Demo<'a> {
     ///
     /// # Errors
     /// Store errors.
-    pub fn new(engine: &'a Engine, head: &'a OutputHead, db: &Path, cfg: DemoConfig) -> Result<Self> {
+    pub fn new(
+        engine: &'a Engine,
+        head: &'a OutputHead,
+        db: &Path,
+        cfg: DemoConfig,
+    ) -> Result<Self> {
         let store = Store::open(db)?;
+        let library = if cfg.experience {
+            Some(Library::load(&store, LibraryConfig::default())?)
+        } else {
+            None
+        };
         let mut rng = Rng::new(cfg.seed ^ 0x4845_4c44_4f55_5421);
         let held_out = (0..cfg.eval_scenarios)
             .map(|_| env::scenario(&mut rng, true))
@@ -406,6 +459,7 @@ impl<'a> Demo<'a> {
             db: db.to_path_buf(),
             held_out,
             active: None,
+            library,
             start: Instant::now(),
             next_key: 1 << 40,
             result: DemoResult {
@@ -418,6 +472,8 @@ impl<'a> Demo<'a> {
                 phase_seconds: Vec::new(),
                 wall_s: 0.0,
                 rl_gain: (0.0, 0.0, 0.0),
+                experience_entries: Vec::new(),
+                experience_injections: 0,
             },
             cfg,
         })
@@ -446,8 +502,22 @@ impl<'a> Demo<'a> {
     /// # Errors
     /// Engine errors.
     pub fn evaluate(&mut self, label: &str, progress: &mut dyn FnMut(Progress)) -> Result<f64> {
+        let n = if label == "base" {
+            self.held_out.len().min(BASE_EVAL_SCENARIOS)
+        } else {
+            self.held_out.len()
+        };
+        self.evaluate_first(label, n, progress)
+    }
+
+    fn evaluate_first(
+        &mut self,
+        label: &str,
+        n: usize,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<f64> {
         let t = Instant::now();
-        progress(Progress::Phase(label, self.held_out.len()));
+        progress(Progress::Phase(label, n));
         let params = SamplerParams {
             temperature: 0.0,
             top_k: 0,
@@ -466,9 +536,22 @@ impl<'a> Demo<'a> {
             transcripts: Vec::new(),
         };
         let (mut turns, mut malformed) = (0usize, 0usize);
-        for s in self.held_out.clone() {
+        let scenarios: Vec<Scenario> = self.held_out.iter().take(n).cloned().collect();
+        for s in scenarios {
             let key = self.key();
-            let p = play(self.engine, &s, self.cfg.patience, &params, key, None)?;
+            let how = PlaySettings {
+                patience: self.cfg.patience,
+                params: params.clone(),
+                key,
+            };
+            let p = play(
+                self.engine,
+                &mut self.store,
+                &s,
+                &how,
+                None,
+                self.library.as_ref(),
+            )?;
             ev.success.push(p.desk.success());
             ev.reward.push(p.desk.reward());
             turns += p.desk.agent_turns;
@@ -481,7 +564,7 @@ impl<'a> Demo<'a> {
             );
             progress(Progress::Tick(label));
         }
-        let n = self.held_out.len().max(1) as f64;
+        let n = n.max(1) as f64;
         ev.mean_turns = turns as f64 / n;
         ev.malformed_per_session = malformed as f64 / n;
         let rate = ev.rate();
@@ -552,7 +635,12 @@ impl<'a> Demo<'a> {
         let label = format!("iteration {it}");
         let n = self.cfg.scenarios_per_iter * self.cfg.group_size;
         progress(Progress::Phase(&label, n + 2));
-        let mut rng = Rng::new(self.cfg.seed.wrapping_mul(0x9E37_79B9).wrapping_add(it as u64));
+        let mut rng = Rng::new(
+            self.cfg
+                .seed
+                .wrapping_mul(0x9E37_79B9)
+                .wrapping_add(it as u64),
+        );
         let params = SamplerParams {
             temperature: self.cfg.temperature,
             top_k: 0,
@@ -568,12 +656,23 @@ impl<'a> Demo<'a> {
                 let mut p = params.clone();
                 p.seed = rng.next_u64();
                 let key = self.key();
-                let log = LogTo {
-                    store: &mut self.store,
+                let log = LogMeta {
                     group: format!("it{it}:s{k}"),
                     metadata: json!({"iteration": it, "intent": format!("{:?}", s.intent), "template": s.template, "rollout": g}),
                 };
-                let played = play(self.engine, &s, self.cfg.patience, &p, key, Some(log))?;
+                let how = PlaySettings {
+                    patience: self.cfg.patience,
+                    params: p,
+                    key,
+                };
+                let played = play(
+                    self.engine,
+                    &mut self.store,
+                    &s,
+                    &how,
+                    Some(log),
+                    self.library.as_ref(),
+                )?;
                 succ += usize::from(played.desk.success());
                 rew += played.desk.reward();
                 ids.extend(played.session_id);
@@ -581,10 +680,8 @@ impl<'a> Demo<'a> {
             }
         }
         // step-level credit: information gain of the ground truth with the frozen policy
-        let uses_process = matches!(
-            self.cfg.algo,
-            Algo::A2tgpo | Algo::Atpo
-        ) && self.cfg.process != ProcessSignal::None;
+        let uses_process = matches!(self.cfg.algo, Algo::A2tgpo | Algo::Atpo)
+            && self.cfg.process != ProcessSignal::None;
         if uses_process {
             let value_head = match &self.active {
                 Some((_, a)) => a.clone(),
@@ -614,6 +711,11 @@ impl<'a> Demo<'a> {
         cfg.seed = self.cfg.seed;
         if self.cfg.process == ProcessSignal::None {
             cfg.alpha = 0.0;
+        }
+        // rollouts below temperature 1 are off-policy for the temperature-1 policy: truncated
+        // importance sampling (ALGORITHMS.md, C = 2) reweights each token by π_old / μ
+        if (self.cfg.temperature - 1.0).abs() > 1e-6 && cfg.objective.tis_cap.is_none() {
+            cfg.objective.tis_cap = Some(2.0);
         }
         let sel = Selection {
             source: Some(Source::Demo),
@@ -653,6 +755,13 @@ impl<'a> Demo<'a> {
             Err(Error::Invalid(m)) => note = Some(m),
             Err(e) => return Err(e),
         }
+        let experience = match self.library.as_mut() {
+            Some(lib) => {
+                let cands = Library::candidates(&self.store, &ids, 1.0)?;
+                Some(lib.evolve(&mut self.store, &cands, update_id)?)
+            }
+            None => None,
+        };
         progress(Progress::Tick(&label));
         progress(Progress::Done(&label));
         let total = n.max(1) as f64;
@@ -667,6 +776,7 @@ impl<'a> Demo<'a> {
             activated,
             note,
             diagnostics,
+            experience,
             elapsed_s: self.start.elapsed().as_secs_f64(),
         });
         Ok(self.result.iterations.last().expect("just pushed"))
@@ -694,7 +804,9 @@ impl<'a> Demo<'a> {
             }
             let elapsed = self.start.elapsed().as_secs_f64();
             let left = budget - elapsed - eval_s * 1.1;
-            if done > 0 && left < last_iter_s || done == 0 && left <= 0.0 && self.cfg.max_iterations.is_none() {
+            if done > 0 && left < last_iter_s
+                || done == 0 && left <= 0.0 && self.cfg.max_iterations.is_none()
+            {
                 break;
             }
             let t = Instant::now();
@@ -725,6 +837,10 @@ impl<'a> Demo<'a> {
             .map(|e| e.success.clone())
             .unwrap_or_default();
         self.result.rl_gain = paired_bootstrap(&warm, &fin, 10_000, self.cfg.seed);
+        if self.library.is_some() {
+            self.result.experience_entries = Library::listing(&self.store)?;
+            self.result.experience_injections = Library::injections(&self.store)?;
+        }
         self.result.wall_s = self.start.elapsed().as_secs_f64();
         Ok(self.result)
     }
@@ -745,7 +861,7 @@ mod tests {
         assert_eq!(paired_bootstrap(&b, &c, 200, 1), (1.0, 1.0, 1.0));
         // half the pairs improve: point 0.5, interval inside [0, 1] and around 0.5
         let d: Vec<bool> = (0..40).map(|i| i % 2 == 0).collect();
-        let (p, lo, hi) = paired_bootstrap(&vec![false; 40], &d, 2000, 3);
+        let (p, lo, hi) = paired_bootstrap(&[false; 40], &d, 2000, 3);
         assert_eq!(p, 0.5);
         assert!(lo > 0.3 && lo < 0.5 && hi > 0.5 && hi < 0.7, "{lo} {hi}");
         // Wilson: 0 of 10 → [0, 0.2775]; 5 of 10 → [0.2366, 0.7634]

@@ -47,7 +47,11 @@ fn success_plot(r: &DemoResult, path: &Path) -> Result<()> {
     let max_it = r.iterations.len().max(1) as f64;
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            format!("Held-out success ({}, seed {})", format!("{:?}", r.config.algo).to_lowercase(), r.config.seed),
+            format!(
+                "Held-out success ({}, seed {})",
+                format!("{:?}", r.config.algo).to_lowercase(),
+                r.config.seed
+            ),
             ("sans-serif", 22),
         )
         .margin(12)
@@ -65,16 +69,22 @@ fn success_plot(r: &DemoResult, path: &Path) -> Result<()> {
         .evals
         .iter()
         .map(|e| {
-            let x = if e.label == "base" { -1.0 } else { e.iteration as f64 };
+            let x = if e.label == "base" {
+                -1.0
+            } else {
+                e.iteration as f64
+            };
             let k = e.success.iter().filter(|&&b| b).count();
             let (lo, hi) = wilson(k, e.success.len());
             (x, e.rate(), lo, hi)
         })
         .collect();
     chart
-        .draw_series(points.iter().map(|&(x, _, lo, hi)| {
-            PathElement::new(vec![(x, lo), (x, hi)], BLUE.stroke_width(2))
-        }))
+        .draw_series(
+            points.iter().map(|&(x, _, lo, hi)| {
+                PathElement::new(vec![(x, lo), (x, hi)], BLUE.stroke_width(2))
+            }),
+        )
         .map_err(plot_err)?;
     chart
         .draw_series(
@@ -111,9 +121,16 @@ fn training_plot(r: &DemoResult, path: &Path) -> Result<()> {
     let root = BitMapBackend::new(path, (1200, 700)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
     let panels = root.split_evenly((2, 3));
-    let series: [(&str, Box<dyn Fn(&super::Iteration) -> Option<f64>>); 6] = [
-        ("mean reward of rollouts", Box::new(|i| Some(i.train_reward))),
-        ("approx KL to the parent", Box::new(|i| i.diagnostics["approx_kl"].as_f64())),
+    type Metric = Box<dyn Fn(&super::Iteration) -> Option<f64>>;
+    let series: [(&str, Metric); 6] = [
+        (
+            "mean reward of rollouts",
+            Box::new(|i| Some(i.train_reward)),
+        ),
+        (
+            "approx KL to the parent",
+            Box::new(|i| i.diagnostics["approx_kl"].as_f64()),
+        ),
         (
             "clip fraction (low + high)",
             Box::new(|i| {
@@ -123,7 +140,10 @@ fn training_plot(r: &DemoResult, path: &Path) -> Result<()> {
                 )
             }),
         ),
-        ("turn entropy (nats / token)", Box::new(|i| i.diagnostics["turn_entropy"].as_f64())),
+        (
+            "turn entropy (nats / token)",
+            Box::new(|i| i.diagnostics["turn_entropy"].as_f64()),
+        ),
         (
             "mean |logp_old − logp_behavior|",
             Box::new(|i| i.diagnostics["logp_old_vs_behavior_mean"].as_f64()),
@@ -137,11 +157,16 @@ fn training_plot(r: &DemoResult, path: &Path) -> Result<()> {
         let pts: Vec<(f64, f64)> = r
             .iterations
             .iter()
-            .filter_map(|i| f(i).filter(|v| v.is_finite()).map(|v| (i.iteration as f64, v)))
+            .filter_map(|i| {
+                f(i).filter(|v| v.is_finite())
+                    .map(|v| (i.iteration as f64, v))
+            })
             .collect();
-        let (lo, hi) = pts.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| {
-            (a.min(p.1), b.max(p.1))
-        });
+        let (lo, hi) = pts
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| {
+                (a.min(p.1), b.max(p.1))
+            });
         let (lo, hi) = if pts.is_empty() {
             (0.0, 1.0)
         } else if (hi - lo).abs() < 1e-12 {
@@ -186,9 +211,10 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         s,
         "Model `{}`; {} held-out scenarios (templates never used in training), greedy replies, at most {} agent replies of {} tokens. \
          Warm start: {} scripted-expert demonstrations, {} epochs of supervised fine-tuning. \
-         RL: {} scenarios × {} rollouts per iteration at temperature {}, process signal `{:?}`, gate |approx KL| ≤ {}.\n",
+         RL: {} scenarios × {} rollouts per iteration at temperature {}, process signal `{:?}`, gate |approx KL| ≤ {}, experience library {}.\n",
         r.model, c.eval_scenarios, c.patience, c.max_tokens, c.demos, c.warm_epochs,
-        c.scenarios_per_iter, c.group_size, c.temperature, c.process, c.gate_kl
+        c.scenarios_per_iter, c.group_size, c.temperature, c.process, c.gate_kl,
+        if c.experience { "on" } else { "off" }
     );
     let (d, lo, hi) = r.rl_gain;
     let _ = writeln!(
@@ -219,11 +245,19 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
             e.malformed_per_session
         );
     }
-    if let (Some(w), Some(f)) = (r.evals.iter().find(|e| e.label == "warm start"), r.evals.last()) {
+    if let (Some(w), Some(f)) = (
+        r.evals.iter().find(|e| e.label == "warm start"),
+        r.evals.last(),
+    ) {
         let _ = writeln!(s, "\n## Example held-out sessions (warm start → final)\n");
         for i in 0..w.transcripts.len().min(4) {
             for (e, tag) in [(w, "warm start"), (f, "final")] {
-                let _ = writeln!(s, "**scenario {} — {tag}: {}**\n", i + 1, if e.success[i] { "solved" } else { "not solved" });
+                let _ = writeln!(
+                    s,
+                    "**scenario {} — {tag}: {}**\n",
+                    i + 1,
+                    if e.success[i] { "solved" } else { "not solved" }
+                );
                 let _ = writeln!(s, "```text");
                 for (role, text) in &e.transcripts[i] {
                     let _ = writeln!(s, "{role:>9}: {}", text.replace('\n', " ⏎ "));
@@ -260,11 +294,36 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
             i.note.as_deref().unwrap_or("")
         );
     }
+    if c.experience {
+        let _ = writeln!(
+            s,
+            "\n## Experience library\n\n{} injections recorded in logged turns; live entries at the end:\n",
+            r.experience_injections
+        );
+        let _ = writeln!(s, "| cluster | kind | entry | context | score |");
+        let _ = writeln!(s, "|---|---|---|---|---|");
+        for e in &r.experience_entries {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {:.2} |",
+                e.cluster,
+                e.kind,
+                e.text.replace('|', "\\|").replace('\n', " "),
+                e.context.replace('|', "\\|"),
+                e.score
+            );
+        }
+    }
     let _ = writeln!(s, "\n## Time\n");
     for (p, t) in &r.phase_seconds {
         let _ = writeln!(s, "- {p}: {t:.0} s");
     }
-    let _ = writeln!(s, "- total: {:.0} s ({:.1} min)\n", r.wall_s, r.wall_s / 60.0);
+    let _ = writeln!(
+        s,
+        "- total: {:.0} s ({:.1} min)\n",
+        r.wall_s,
+        r.wall_s / 60.0
+    );
     let _ = writeln!(s, "## Plots\n");
     for p in plots {
         if let Some(name) = p.file_name().and_then(|n| n.to_str()) {

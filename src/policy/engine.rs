@@ -485,7 +485,7 @@ impl Worker {
                     positions,
                     reply,
                 } => {
-                    let _ = reply.send(self.rescore(&tokens, &positions));
+                    let _ = reply.send(self.rescore(&tokens, &positions, false));
                 }
                 Command::Tokens { session, reply } => {
                     let r = self
@@ -777,11 +777,20 @@ impl Worker {
         }
         let positions: Vec<usize> = (start..tokens.len()).collect();
         // the frozen policy: no adapter is involved in rescoring
-        let r = self.rescore(&tokens, &positions)?;
+        // consecutive calls share the session's prefix: only the new tail is decoded
+        let r = self.rescore(&tokens, &positions, true)?;
         Ok(r.logp.iter().map(|&x| x as f64).sum::<f64>() / r.logp.len() as f64)
     }
 
-    fn rescore(&mut self, tokens: &[Token], positions: &[usize]) -> Result<Rescored> {
+    /// Log-probs and hidden states of `positions`. With `reuse_prefix` the cached prefix shared
+    /// with `tokens` (up to the first scored row) is kept; without it everything is decoded from
+    /// scratch in `n_batch` chunks, as an import's rescoring always is.
+    fn rescore(
+        &mut self,
+        tokens: &[Token],
+        positions: &[usize],
+        reuse_prefix: bool,
+    ) -> Result<Rescored> {
         if tokens.len() > self.ctx.n_ctx() {
             return Err(Error::ContextOverflow {
                 have: 0,
@@ -800,11 +809,22 @@ impl Worker {
             }
             want[j - 1] = true;
         }
-        self.ctx.truncate(0);
-        self.cached.clear();
+        let first_row = want.iter().position(|&w| w).unwrap_or(0);
+        let keep = if reuse_prefix {
+            self.cached
+                .iter()
+                .zip(tokens)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(first_row)
+        } else {
+            0
+        };
+        self.ctx.truncate(keep);
+        self.cached.truncate(keep);
         let mut by_row: HashMap<usize, (f32, Vec<f32>)> = HashMap::new();
         let nb = self.ctx.n_batch();
-        let mut pos = 0;
+        let mut pos = keep;
         while pos < tokens.len() {
             let end = (pos + nb).min(tokens.len());
             let outputs = &want[pos..end];

@@ -42,6 +42,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0005_opening_clusters.sql",
         include_str!("../../migrations/0005_opening_clusters.sql"),
     ),
+    (
+        "0006_experience.sql",
+        include_str!("../../migrations/0006_experience.sql"),
+    ),
 ];
 
 /// One row of the `turn_credit` view.
@@ -1066,6 +1070,12 @@ impl Store {
     /// The underlying connection, for read-only ad-hoc queries in tests and reports.
     pub fn connection(&self) -> &Connection {
         &self.conn
+    }
+
+    /// The underlying connection for modules that keep their own tables (the experience
+    /// library); they write in transactions.
+    pub fn connection_mut(&mut self) -> &mut Connection {
+        &mut self.conn
     }
 }
 
