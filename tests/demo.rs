@@ -132,3 +132,74 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
         assert!(credit.iter().all(|c| c.info_gain.is_some()), "{credit:?}");
     }
 }
+
+/// Step-level credit on desk sessions: a value head fitted on sessions of the expert and of a
+/// careless agent (it refunds whatever the request, so it succeeds on refunds only) ranks held-out
+/// successes above failures, and every agent turn gets one `turn_credit` row.
+#[test]
+fn the_value_head_separates_desk_successes_from_failures() {
+    use turnwise::adapter::Adapter;
+    use turnwise::demo::{expert_conversation, scripted_conversation};
+    use turnwise::env::{self, Action};
+    use turnwise::learn::annotate::{annotate_sessions, fit_value_head, AnnotateConfig};
+    use turnwise::policy::sampler::Rng;
+    use turnwise::replay::import_conversation;
+
+    let dir = tempdir();
+    let mut store = Store::open(&dir.path().join("credit.db")).unwrap();
+    let engine = crate::common::engine();
+    let careless = |d: &env::Desk, seen: &[env::Observation]| {
+        if seen.is_empty() {
+            env::action_line(&Action::Refund(d.scenario.order.id))
+        } else {
+            "Done, thank you for your patience.".to_string()
+        }
+    };
+    let mut rng = Rng::new(5);
+    let mut ids = Vec::new();
+    for k in 0..30 {
+        let s = env::scenario(&mut rng, k % 5 == 4);
+        let c = if k % 2 == 0 {
+            expert_conversation(&s, 5)
+        } else {
+            scripted_conversation(&s, 3, careless)
+        };
+        ids.push(
+            import_conversation(engine, &mut store, &c)
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    let outcomes: Vec<f64> = ids
+        .iter()
+        .map(|&i| store.session(i).unwrap().outcome_reward.unwrap())
+        .collect();
+    assert!(outcomes.iter().any(|&o| o >= 1.0) && outcomes.iter().any(|&o| o < 0.5));
+    let info = engine.info();
+    let mut adapter = Adapter::fresh(info.n_embd, info.n_vocab, 8, 16.0, 0, &info.name);
+    let fit = fit_value_head(&store, &ids, &mut adapter, 300, 0.05).unwrap();
+    eprintln!("value head on desk sessions: {fit:?}");
+    let auc = fit.auc_after.expect("both classes among held-out sessions");
+    assert!(auc > 0.7, "held-out AUC {auc}");
+    assert!(fit.brier_after < fit.brier_before, "{fit:?}");
+    annotate_sessions(
+        &mut store,
+        &ids,
+        &adapter,
+        None,
+        None,
+        &AnnotateConfig::default(),
+    )
+    .unwrap();
+    for &sid in &ids {
+        let n = store
+            .turns(sid)
+            .unwrap()
+            .iter()
+            .filter(|t| t.role == turnwise::Role::Assistant)
+            .count();
+        let credit = store.turn_credit(sid).unwrap();
+        assert_eq!(credit.len(), n);
+        assert!(credit.iter().all(|c| c.contribution.is_some()));
+    }
+}

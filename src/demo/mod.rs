@@ -389,14 +389,27 @@ pub fn play(
 
 /// The scripted expert's session of `scenario` as a conversation to import.
 pub fn expert_conversation(scenario: &Scenario, patience: usize) -> Conversation {
-    let mut desk = Desk::new(scenario.clone(), patience.max(6));
+    let mut c = scripted_conversation(scenario, patience.max(6), env::expert_reply);
+    c.group = Some(format!("expert:{:?}", scenario.intent).to_lowercase());
+    c.metadata["demo"] = json!("expert");
+    c
+}
+
+/// A session of `scenario` played by a scripted agent (`agent(desk, observations so far)`),
+/// as a conversation to import, with its reward as the outcome.
+pub fn scripted_conversation(
+    scenario: &Scenario,
+    patience: usize,
+    agent: impl Fn(&Desk, &[Observation]) -> String,
+) -> Conversation {
+    let mut desk = Desk::new(scenario.clone(), patience);
     let mut messages = vec![
         Message::new(Role::System, env::SYSTEM_PROMPT),
         Message::new(Role::User, scenario.opening()),
     ];
     let mut seen = Vec::new();
     loop {
-        let reply = env::expert_reply(&desk, &seen);
+        let reply = agent(&desk, &seen);
         messages.push(Message::new(Role::Assistant, reply.clone()));
         let obs = desk.step(&reply);
         match &obs {
@@ -410,8 +423,8 @@ pub fn expert_conversation(scenario: &Scenario, patience: usize) -> Conversation
         messages,
         outcome: Some(desk.reward()),
         reference: Some(env::action_line(&scenario.ground_truth)),
-        group: Some(format!("expert:{:?}", scenario.intent).to_lowercase()),
-        metadata: json!({"demo": "expert", "intent": format!("{:?}", scenario.intent), "template": scenario.template}),
+        group: None,
+        metadata: json!({"demo": "scripted", "intent": format!("{:?}", scenario.intent), "template": scenario.template}),
     }
 }
 
