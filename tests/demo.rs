@@ -7,6 +7,15 @@ use turnwise::store::Store;
 
 use crate::common::{show, tempdir, turnwise};
 
+fn assistant_turns(store: &Store, session: i64) -> usize {
+    store
+        .turns(session)
+        .unwrap()
+        .iter()
+        .filter(|t| t.role == turnwise::Role::Assistant)
+        .count()
+}
+
 #[test]
 fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
     let dir = tempdir();
@@ -121,14 +130,8 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
         .unwrap();
     assert_eq!(sessions.len(), 8, "2 iterations × 2 scenarios × 2 rollouts");
     for sid in sessions {
-        let agent_turns = store
-            .turns(sid)
-            .unwrap()
-            .iter()
-            .filter(|t| t.role == turnwise::Role::Assistant)
-            .count();
         let credit = store.turn_credit(sid).unwrap();
-        assert_eq!(credit.len(), agent_turns);
+        assert_eq!(credit.len(), assistant_turns(&store, sid));
         assert!(credit.iter().all(|c| c.info_gain.is_some()), "{credit:?}");
     }
 }
@@ -192,14 +195,8 @@ fn the_value_head_separates_desk_successes_from_failures() {
     )
     .unwrap();
     for &sid in &ids {
-        let n = store
-            .turns(sid)
-            .unwrap()
-            .iter()
-            .filter(|t| t.role == turnwise::Role::Assistant)
-            .count();
         let credit = store.turn_credit(sid).unwrap();
-        assert_eq!(credit.len(), n);
+        assert_eq!(credit.len(), assistant_turns(&store, sid));
         assert!(credit.iter().all(|c| c.contribution.is_some()));
     }
 }
