@@ -101,6 +101,7 @@ impl DemoArgs {
             c.max_iterations = self.iterations;
         }
         c.experience = self.experience == OnOff::On;
+        c.train_threads = usize::try_from(self.model.threads.max(1)).unwrap_or(1);
         if self.no_base_eval {
             c.eval_base = false;
         }

@@ -86,6 +86,9 @@ pub struct DemoConfig {
     pub eval_every: usize,
     /// the experience library: retrieval at every step, evolved after every update
     pub experience: bool,
+    /// ONNX Runtime threads of the learner (keep it at llama.cpp's `--threads`: more threads
+    /// than cores make both spin-wait)
+    pub train_threads: usize,
 }
 
 impl DemoConfig {
@@ -111,6 +114,7 @@ impl DemoConfig {
             epochs: 2,
             eval_every: 0,
             experience: false,
+            train_threads: 2,
         }
     }
 
@@ -612,6 +616,7 @@ impl<'a> Demo<'a> {
         self.phase("demonstrations", t);
         let t = Instant::now();
         let mut cfg = TrainConfig::preset(Algo::Sft);
+        cfg.threads = self.cfg.train_threads;
         cfg.epochs = self.cfg.warm_epochs;
         cfg.seed = self.cfg.seed;
         let sel = Selection {
@@ -719,6 +724,7 @@ impl<'a> Demo<'a> {
         }
         progress(Progress::Tick(&label));
         let mut cfg = TrainConfig::preset(self.cfg.algo);
+        cfg.threads = self.cfg.train_threads;
         cfg.lr = self.cfg.lr;
         cfg.epochs = self.cfg.epochs;
         cfg.seed = self.cfg.seed;

@@ -84,9 +84,13 @@ pub fn session(model: &[u8], device: Device, threads: usize) -> Result<(Session,
     let e = |what: &'static str| move |err: ort::Error| Error::Ort(format!("{what}: {err}"));
     let build = |cuda: bool| -> Result<Session> {
         let mut b = Session::builder(env).map_err(e("session builder"))?;
+        // no spin-waiting: the learner shares the cores with llama.cpp's threads (the server's
+        // background updates, the demo), and spinning pools oversubscribe them to a crawl
         b = b
             .with_intra_threads(threads.max(1))
-            .map_err(|x| e("threads")(x.into()))?;
+            .map_err(|x| e("threads")(x.into()))?
+            .with_intra_op_spinning(false)
+            .map_err(|x| e("spinning")(x.into()))?;
         if cuda {
             let ep = ort::ep::CUDA::default().build().error_on_failure();
             b = b
