@@ -32,7 +32,7 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The main job: a simulated customer-service desk where the bot measurably learns (warm start, RL, held-out evaluation, report)
+    /// The main job: a simulated customer-service desk where the bot is trained on its own sessions and measured on held-out ones (warm start, RL, report)
     Demo(Box<demo::DemoArgs>),
     /// Chat with the model in the terminal; every turn is logged (input may be piped)
     Chat(chat::ChatArgs),
