@@ -29,6 +29,9 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
             "2",
             "--gate-kl",
             "100",
+            // a budget no machine reaches: the two iterations of --quick always run
+            "--minutes",
+            "60",
             "--out",
         ])
         .arg(&out)
