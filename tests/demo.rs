@@ -29,6 +29,8 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
             "2",
             "--gate-kl",
             "100",
+            "--val",
+            "0",
             // a budget no machine reaches: the two iterations of --quick always run
             "--minutes",
             "60",
@@ -137,6 +139,77 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
         assert_eq!(credit.len(), assistant_turns(&store, sid));
         assert!(credit.iter().all(|c| c.info_gain.is_some()), "{credit:?}");
     }
+}
+
+/// The validation gate: a candidate is activated exactly when its greedy validation success
+/// (then reward) is at least the active adapter's; a rejected one is marked so, the next rollouts
+/// come from the unchanged adapter, and its sessions are kept for the next update.
+#[test]
+fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation() {
+    let dir = tempdir();
+    let out = dir.path().join("run");
+    let o = turnwise(&dir.path().join("unused.db"))
+        .args([
+            "demo",
+            "--quick",
+            "--no-base-eval",
+            "--eval-every",
+            "0",
+            "--val",
+            "3",
+            "--iterations",
+            "3",
+            "--gate-kl",
+            "100",
+            "--minutes",
+            "60",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let result: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
+    let store = Store::open(&out.join("turnwise.db")).unwrap();
+    let iterations = result["iterations"].as_array().unwrap();
+    assert_eq!(iterations.len(), 3);
+    let per_iteration = 2 * 2; // --quick: 2 scenarios × 2 rollouts
+    let mut active = result["warm_adapter"].as_i64().unwrap();
+    let mut kept = 0;
+    let mut active_validation: Option<(f64, f64)> = None;
+    for it in iterations {
+        assert_eq!(it["sampled_with"].as_i64(), Some(active), "{it}");
+        kept = (kept + per_iteration).min(3 * per_iteration);
+        assert_eq!(it["trained_on"].as_u64(), Some(kept as u64), "{it}");
+        let candidate = it["candidate"].as_i64().expect("a candidate");
+        let v = &it["validation"];
+        let pair = |k: usize| (v[k][0].as_f64().unwrap(), v[k][1].as_f64().unwrap());
+        let (cand, act) = (pair(0), pair(1));
+        // the active adapter's score is measured once and carried over on activation
+        if let Some(prev) = active_validation {
+            assert_eq!(act, prev, "{it}");
+        }
+        let passes = cand.0 > act.0 || cand.0 == act.0 && cand.1 >= act.1;
+        assert_eq!(it["activated"].as_bool(), Some(passes), "{it}");
+        let status = store.adapter(candidate).unwrap().status;
+        if passes {
+            assert_ne!(status, "rejected", "{it}");
+            active = candidate;
+            active_validation = Some(cand);
+            kept = 0;
+        } else {
+            assert_eq!(status, "rejected", "{it}");
+            assert!(it["note"].as_str().unwrap().contains("validation"), "{it}");
+            active_validation = Some(act);
+        }
+    }
+    assert_eq!(store.active_adapter().unwrap().map(|a| a.id), Some(active));
+    let report = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(
+        report.contains("validation (candidate / active)"),
+        "{report}"
+    );
 }
 
 /// Step-level credit on desk sessions: a value head fitted on sessions of the expert and of a

@@ -23,9 +23,9 @@ pub struct DemoArgs {
     /// Seed of scenarios, sampling and the adapter
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Wall-time budget of the whole run, in minutes
-    #[arg(long, default_value_t = 20.0)]
-    minutes: f64,
+    /// Wall-time budget of the whole run, in minutes [default: 20; 5 with --quick]
+    #[arg(long)]
+    minutes: Option<f64>,
     /// A small configuration that finishes in a couple of minutes (checks the plumbing)
     #[arg(long)]
     quick: bool,
@@ -71,6 +71,10 @@ pub struct DemoArgs {
     /// Rollout temperature
     #[arg(long)]
     temperature: Option<f32>,
+    /// Validation gate: activate a candidate only if its greedy success on N fixed
+    /// training-template scenarios is at least the active adapter's (0: KL bound only)
+    #[arg(long)]
+    val: Option<usize>,
     /// The experience library (step-level retrieval of strategies and warnings): on or off
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     experience: OnOff,
@@ -88,15 +92,18 @@ impl DemoArgs {
         let mut c = if self.quick {
             DemoConfig::quick(self.algo, self.seed)
         } else {
-            DemoConfig::full(self.algo, self.seed, self.minutes)
+            DemoConfig::full(self.algo, self.seed, 20.0)
         };
+        if let Some(m) = self.minutes {
+            c.minutes = m;
+        }
         macro_rules! set {
             ($($f:ident => $g:ident),*) => {$(if let Some(v) = self.$f { c.$g = v; })*};
         }
         set!(eval => eval_scenarios, eval_every => eval_every, demos => demos,
              warm_epochs => warm_epochs, scenarios => scenarios_per_iter, group => group_size,
              process => process, gate_kl => gate_kl, lr => lr, epochs => epochs,
-             temperature => temperature);
+             temperature => temperature, val => val_scenarios);
         if self.iterations.is_some() {
             c.max_iterations = self.iterations;
         }
@@ -121,6 +128,9 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         || cfg.eval_scenarios == 0
     {
         anyhow::bail!("--demos, --scenarios, --group and --eval must be at least 1");
+    }
+    if !(cfg.minutes.is_finite() && cfg.minutes > 0.0) {
+        anyhow::bail!("--minutes must be a positive number of minutes");
     }
     let algo = format!("{:?}", cfg.algo).to_lowercase();
     let out = args.out.clone().unwrap_or_else(|| {

@@ -31,6 +31,10 @@ use crate::store::{NewSession, Source, Store};
 /// action (FINDINGS.md), and its rambling replies make each session the slowest of the run.
 pub const BASE_EVAL_SCENARIOS: usize = 20;
 
+/// With the validation gate, the update after a rejection trains on the sessions of up to this
+/// many iterations, all sampled with the same (still active) adapter.
+pub const ON_POLICY_ITERATIONS: usize = 3;
+
 /// Which per-turn process signal the A²TGPO advantage uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -86,6 +90,12 @@ pub struct DemoConfig {
     pub eval_every: usize,
     /// the experience library: retrieval at every step, evolved after every update
     pub experience: bool,
+    /// validation gate: a candidate is activated only if its greedy success (then mean reward)
+    /// on this many fixed training-template scenarios is at least the active adapter's (0: off,
+    /// the KL bound is the only check). While candidates are rejected the rollouts of the
+    /// unchanged active adapter stay on-policy and are kept for the next update (at most
+    /// [`ON_POLICY_ITERATIONS`] iterations' worth).
+    pub val_scenarios: usize,
     /// ONNX Runtime threads of the learner (keep it at llama.cpp's `--threads`: more threads
     /// than cores make both spin-wait)
     pub train_threads: usize,
@@ -114,6 +124,7 @@ impl DemoConfig {
             epochs: 2,
             eval_every: 0,
             experience: false,
+            val_scenarios: 0,
             train_threads: 2,
         }
     }
@@ -190,6 +201,10 @@ pub struct Iteration {
     pub activated: bool,
     /// why the update or the gate failed
     pub note: Option<String>,
+    /// sessions the update trained on (this iteration's plus kept on-policy ones)
+    pub trained_on: usize,
+    /// validation gate: (success, mean reward) of the candidate and of the active adapter
+    pub validation: Option<[(f64, f64); 2]>,
     /// the update's diagnostics
     pub diagnostics: Value,
     /// what the experience library did with this iteration's sessions
@@ -440,6 +455,11 @@ pub struct Demo<'a> {
     db: PathBuf,
     cfg: DemoConfig,
     held_out: Vec<Scenario>,
+    validation: Vec<Scenario>,
+    /// greedy (success, mean reward) of the active adapter on `validation`
+    active_validation: Option<(f64, f64)>,
+    /// sessions sampled with the active adapter since it was activated
+    on_policy: usize,
     active: Option<(i64, Arc<Adapter>)>,
     library: Option<Library>,
     start: Instant,
@@ -469,12 +489,19 @@ impl<'a> Demo<'a> {
         let held_out = (0..cfg.eval_scenarios)
             .map(|_| env::scenario(&mut rng, true))
             .collect();
+        let mut rng = Rng::new(cfg.seed ^ 0x5641_4c49_4441_5445);
+        let validation = (0..cfg.val_scenarios)
+            .map(|_| env::scenario(&mut rng, false))
+            .collect();
         Ok(Demo {
             engine,
             head,
             store,
             db: db.to_path_buf(),
             held_out,
+            validation,
+            active_validation: None,
+            on_policy: 0,
             active: None,
             library,
             start: Instant::now(),
@@ -511,7 +538,58 @@ impl<'a> Demo<'a> {
         self.store.activate_adapter(id)?;
         self.engine.set_adapter(Some((id, ad.clone())))?;
         self.active = Some((id, ad));
+        self.on_policy = 0;
         Ok(())
+    }
+
+    /// Greedy (success rate, mean reward) of the engine's current adapter on the validation set.
+    fn validate(&mut self) -> Result<(f64, f64)> {
+        let params = SamplerParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            max_tokens: self.cfg.max_tokens,
+            ..Default::default()
+        };
+        let (mut succ, mut rew) = (0.0, 0.0);
+        for s in self.validation.clone() {
+            let key = self.key();
+            let how = PlaySettings {
+                patience: self.cfg.patience,
+                params: params.clone(),
+                key,
+            };
+            let p = play(
+                self.engine,
+                &mut self.store,
+                &s,
+                &how,
+                None,
+                self.library.as_ref(),
+            )?;
+            succ += f64::from(u8::from(p.desk.success()));
+            rew += p.desk.reward();
+        }
+        let n = self.validation.len().max(1) as f64;
+        Ok((succ / n, rew / n))
+    }
+
+    /// The validation gate: the candidate's greedy (success, reward) against the active
+    /// adapter's; the engine is back on the active adapter afterwards.
+    fn validation_gate(&mut self, candidate: i64) -> Result<[(f64, f64); 2]> {
+        let current = match self.active_validation {
+            Some(v) => v,
+            None => {
+                let v = self.validate()?;
+                self.active_validation = Some(v);
+                v
+            }
+        };
+        let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, candidate))?);
+        self.engine.set_adapter(Some((candidate, ad)))?;
+        let cand = self.validate();
+        self.engine.set_adapter(self.active.clone())?;
+        Ok([cand?, current])
     }
 
     /// Greedy evaluation of the current adapter on the held-out set.
@@ -736,13 +814,22 @@ impl<'a> Demo<'a> {
         if (self.cfg.temperature - 1.0).abs() > 1e-6 && cfg.objective.tis_cap.is_none() {
             cfg.objective.tis_cap = Some(2.0);
         }
+        // with the validation gate, rollouts of earlier iterations whose candidates were
+        // rejected were sampled with the same active adapter: still on-policy, kept
+        self.on_policy = if self.cfg.val_scenarios > 0 {
+            (self.on_policy + ids.len()).min(ON_POLICY_ITERATIONS * n)
+        } else {
+            ids.len()
+        };
+        let trained_on = self.on_policy;
         let sel = Selection {
             source: Some(Source::Demo),
             since: None,
-            limit: ids.len(),
+            limit: trained_on,
         };
         let (mut update_id, mut candidate, mut activated, mut note, mut diagnostics) =
             (None, None, false, None, Value::Null);
+        let mut validation = None;
         match run_update(
             &mut self.store,
             &self.db,
@@ -759,8 +846,30 @@ impl<'a> Demo<'a> {
                 let kl = diagnostics["approx_kl"].as_f64().unwrap_or(f64::NAN).abs();
                 if let Some(id) = candidate {
                     if kl.is_finite() && kl <= self.cfg.gate_kl {
-                        self.activate(id)?;
-                        activated = true;
+                        let passes = if self.cfg.val_scenarios > 0 {
+                            let v = self.validation_gate(id)?;
+                            validation = Some(v);
+                            let [(cs, cr), (as_, ar)] = v;
+                            cs > as_ || cs == as_ && cr >= ar
+                        } else {
+                            true
+                        };
+                        if passes {
+                            self.activate(id)?;
+                            self.active_validation = validation.map(|v| v[0]);
+                            activated = true;
+                        } else if let Some([(cs, cr), (as_, ar)]) = validation {
+                            let gate = json!({"gate": {"validation": {
+                                "candidate": {"success": cs, "reward": cr},
+                                "active": {"success": as_, "reward": ar},
+                                "scenarios": self.cfg.val_scenarios}}});
+                            self.store.set_adapter_status(id, "rejected", Some(&gate))?;
+                            note = Some(format!(
+                                "gate: validation success {:.0} % < active {:.0} % (or equal, reward {cr:.3} < {ar:.3})",
+                                cs * 100.0,
+                                as_ * 100.0
+                            ));
+                        }
                     } else {
                         self.store.set_adapter_status(
                             id,
@@ -794,6 +903,8 @@ impl<'a> Demo<'a> {
             candidate,
             activated,
             note,
+            trained_on,
+            validation,
             diagnostics,
             experience,
             elapsed_s: self.start.elapsed().as_secs_f64(),

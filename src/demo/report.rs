@@ -267,8 +267,11 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         }
     }
     let _ = writeln!(s, "\n## RL iterations\n");
-    let _ = writeln!(s, "| it | sampled with | rollout success | mean reward | update | candidate | active | approx KL | clip frac | turn entropy | \\|logp_old − logp_beh\\| | process signal | note |");
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "| it | sampled with | rollout success | mean reward | trained on | update | candidate | validation (candidate / active) | active | approx KL | clip frac | turn entropy | \\|logp_old − logp_beh\\| | process signal | note |");
+    let _ = writeln!(
+        s,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for i in &r.iterations {
         let d = &i.diagnostics;
         let f = |k: &str| d[k].as_f64().map_or("–".into(), |v| format!("{v:.4}"));
@@ -278,13 +281,20 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             i.iteration,
             i.sampled_with.map_or("none".into(), |a| a.to_string()),
             pct(i.train_success),
             i.train_reward,
+            i.trained_on,
             i.update_id.map_or("–".into(), |a| a.to_string()),
             i.candidate.map_or("–".into(), |a| a.to_string()),
+            i.validation
+                .map_or("–".into(), |[(cs, cr), (as_, ar)]| format!(
+                    "{} ({cr:.2}) / {} ({ar:.2})",
+                    pct(cs),
+                    pct(as_)
+                )),
             if i.activated { "yes" } else { "no" },
             f("approx_kl"),
             clip,
