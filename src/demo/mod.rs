@@ -542,31 +542,34 @@ impl<'a> Demo<'a> {
         Ok(())
     }
 
+    /// One greedy, unlogged session of `scenario` with the engine's current adapter.
+    fn play_greedy(&mut self, scenario: &Scenario) -> Result<Played> {
+        let how = PlaySettings {
+            patience: self.cfg.patience,
+            params: SamplerParams {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 1.0,
+                max_tokens: self.cfg.max_tokens,
+                ..Default::default()
+            },
+            key: self.key(),
+        };
+        play(
+            self.engine,
+            &mut self.store,
+            scenario,
+            &how,
+            None,
+            self.library.as_ref(),
+        )
+    }
+
     /// Greedy (success rate, mean reward) of the engine's current adapter on the validation set.
     fn validate(&mut self) -> Result<(f64, f64)> {
-        let params = SamplerParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            max_tokens: self.cfg.max_tokens,
-            ..Default::default()
-        };
         let (mut succ, mut rew) = (0.0, 0.0);
         for s in self.validation.clone() {
-            let key = self.key();
-            let how = PlaySettings {
-                patience: self.cfg.patience,
-                params: params.clone(),
-                key,
-            };
-            let p = play(
-                self.engine,
-                &mut self.store,
-                &s,
-                &how,
-                None,
-                self.library.as_ref(),
-            )?;
+            let p = self.play_greedy(&s)?;
             succ += f64::from(u8::from(p.desk.success()));
             rew += p.desk.reward();
         }
@@ -613,13 +616,6 @@ impl<'a> Demo<'a> {
     ) -> Result<f64> {
         let t = Instant::now();
         progress(Progress::Phase(label, n));
-        let params = SamplerParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            max_tokens: self.cfg.max_tokens,
-            ..Default::default()
-        };
         let mut ev = Evaluation {
             label: label.to_string(),
             iteration: self.result.iterations.len(),
@@ -633,20 +629,7 @@ impl<'a> Demo<'a> {
         let (mut turns, mut malformed) = (0usize, 0usize);
         let scenarios: Vec<Scenario> = self.held_out.iter().take(n).cloned().collect();
         for s in scenarios {
-            let key = self.key();
-            let how = PlaySettings {
-                patience: self.cfg.patience,
-                params: params.clone(),
-                key,
-            };
-            let p = play(
-                self.engine,
-                &mut self.store,
-                &s,
-                &how,
-                None,
-                self.library.as_ref(),
-            )?;
+            let p = self.play_greedy(&s)?;
             ev.success.push(p.desk.success());
             ev.reward.push(p.desk.reward());
             turns += p.desk.agent_turns;
