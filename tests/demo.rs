@@ -2,6 +2,8 @@
 //! learning result.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Output;
 
 use turnwise::store::Store;
 
@@ -16,30 +18,29 @@ fn assistant_turns(store: &Store, session: i64) -> usize {
         .count()
 }
 
-#[test]
-fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
+/// Runs `turnwise demo --quick` with `args` into a fresh run directory and returns the
+/// directory (kept alive by the returned guard), the command's output and `result.json`.
+/// `--gate-kl 100` keeps the KL bound out of the way, and the 60-minute budget is one no machine
+/// reaches, so the iterations asked for always run.
+fn quick_demo(args: &[&str]) -> (tempfile::TempDir, PathBuf, Output, serde_json::Value) {
     let dir = tempdir();
     let out = dir.path().join("run");
     // the --db of the command line is not used: the run keeps its own log in its directory
     let o = turnwise(&dir.path().join("unused.db"))
-        .args([
-            "demo",
-            "--quick",
-            "--seed",
-            "2",
-            "--gate-kl",
-            "100",
-            "--val",
-            "0",
-            // a budget no machine reaches: the two iterations of --quick always run
-            "--minutes",
-            "60",
-            "--out",
-        ])
+        .args(["demo", "--quick", "--gate-kl", "100", "--minutes", "60"])
+        .args(args)
+        .arg("--out")
         .arg(&out)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", show(&o));
+    let result = serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
+    (dir, out, o, result)
+}
+
+#[test]
+fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
+    let (_dir, out, o, result) = quick_demo(&["--seed", "2", "--val", "0"]);
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(
         stdout.contains("warm start") && stdout.contains("final"),
@@ -62,8 +63,6 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
     }
     let report = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(report.contains("| final |"), "{report}");
-    let result: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
     let labels: Vec<&str> = result["evals"]
         .as_array()
         .unwrap()
@@ -146,31 +145,15 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
 /// come from the unchanged adapter, and its sessions are kept for the next update.
 #[test]
 fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation() {
-    let dir = tempdir();
-    let out = dir.path().join("run");
-    let o = turnwise(&dir.path().join("unused.db"))
-        .args([
-            "demo",
-            "--quick",
-            "--no-base-eval",
-            "--eval-every",
-            "0",
-            "--val",
-            "3",
-            "--iterations",
-            "3",
-            "--gate-kl",
-            "100",
-            "--minutes",
-            "60",
-            "--out",
-        ])
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", show(&o));
-    let result: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
+    let (_dir, out, _, result) = quick_demo(&[
+        "--no-base-eval",
+        "--eval-every",
+        "0",
+        "--val",
+        "3",
+        "--iterations",
+        "3",
+    ]);
     let store = Store::open(&out.join("turnwise.db")).unwrap();
     let iterations = result["iterations"].as_array().unwrap();
     assert_eq!(iterations.len(), 3);
