@@ -160,7 +160,6 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
     let per_iteration = 2 * 2; // --quick: 2 scenarios × 2 rollouts
     let mut active = result["warm_adapter"].as_i64().unwrap();
     let mut kept = 0;
-    let mut active_validation: Option<(f64, f64)> = None;
     for it in iterations {
         assert_eq!(it["sampled_with"].as_i64(), Some(active), "{it}");
         kept = (kept + per_iteration).min(3 * per_iteration);
@@ -169,22 +168,16 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
         let v = &it["validation"];
         let pair = |k: usize| (v[k][0].as_f64().unwrap(), v[k][1].as_f64().unwrap());
         let (cand, act) = (pair(0), pair(1));
-        // the active adapter's score is measured once and carried over on activation
-        if let Some(prev) = active_validation {
-            assert_eq!(act, prev, "{it}");
-        }
         let passes = cand.0 > act.0 || cand.0 == act.0 && cand.1 >= act.1;
         assert_eq!(it["activated"].as_bool(), Some(passes), "{it}");
         let status = store.adapter(candidate).unwrap().status;
         if passes {
             assert_ne!(status, "rejected", "{it}");
             active = candidate;
-            active_validation = Some(cand);
             kept = 0;
         } else {
             assert_eq!(status, "rejected", "{it}");
             assert!(it["note"].as_str().unwrap().contains("validation"), "{it}");
-            active_validation = Some(act);
         }
     }
     assert_eq!(store.active_adapter().unwrap().map(|a| a.id), Some(active));

@@ -71,8 +71,9 @@ pub struct DemoArgs {
     /// Rollout temperature
     #[arg(long)]
     temperature: Option<f32>,
-    /// Validation gate: activate a candidate only if its greedy success on N fixed
-    /// training-template scenarios is at least the active adapter's (0: KL bound only)
+    /// Validation gate: activate a candidate only if its greedy success on N fresh
+    /// training-template scenarios is at least the active adapter's on the same ones (default 16, --quick 0;
+    /// 0: the KL bound only)
     #[arg(long)]
     val: Option<usize>,
     /// The experience library (step-level retrieval of strategies and warnings): on or off

@@ -91,7 +91,8 @@ pub struct DemoConfig {
     /// the experience library: retrieval at every step, evolved after every update
     pub experience: bool,
     /// validation gate: a candidate is activated only if its greedy success (then mean reward)
-    /// on this many fixed training-template scenarios is at least the active adapter's (0: off,
+    /// on this many fresh training-template scenarios is at least the active adapter's on the
+    /// same scenarios (0: off,
     /// the KL bound is the only check). While candidates are rejected the rollouts of the
     /// unchanged active adapter stay on-policy and are kept for the next update (at most
     /// [`ON_POLICY_ITERATIONS`] iterations' worth).
@@ -124,7 +125,7 @@ impl DemoConfig {
             epochs: 2,
             eval_every: 0,
             experience: false,
-            val_scenarios: 0,
+            val_scenarios: 16,
             train_threads: 2,
         }
     }
@@ -141,6 +142,7 @@ impl DemoConfig {
             patience: 3,
             max_tokens: 20,
             eval_every: 1,
+            val_scenarios: 0,
             ..DemoConfig::full(algo, seed, 5.0)
         }
     }
@@ -455,9 +457,8 @@ pub struct Demo<'a> {
     db: PathBuf,
     cfg: DemoConfig,
     held_out: Vec<Scenario>,
-    validation: Vec<Scenario>,
-    /// greedy (success, mean reward) of the active adapter on `validation`
-    active_validation: Option<(f64, f64)>,
+    /// draws each gate's fresh validation scenarios (training templates)
+    val_rng: Rng,
     /// sessions sampled with the active adapter since it was activated
     on_policy: usize,
     active: Option<(i64, Arc<Adapter>)>,
@@ -489,18 +490,13 @@ impl<'a> Demo<'a> {
         let held_out = (0..cfg.eval_scenarios)
             .map(|_| env::scenario(&mut rng, true))
             .collect();
-        let mut rng = Rng::new(cfg.seed ^ 0x5641_4c49_4441_5445);
-        let validation = (0..cfg.val_scenarios)
-            .map(|_| env::scenario(&mut rng, false))
-            .collect();
         Ok(Demo {
             engine,
             head,
             store,
             db: db.to_path_buf(),
             held_out,
-            validation,
-            active_validation: None,
+            val_rng: Rng::new(cfg.seed ^ 0x5641_4c49_4441_5445),
             on_policy: 0,
             active: None,
             library,
@@ -565,32 +561,31 @@ impl<'a> Demo<'a> {
         )
     }
 
-    /// Greedy (success rate, mean reward) of the engine's current adapter on the validation set.
-    fn validate(&mut self) -> Result<(f64, f64)> {
+    /// Greedy (success rate, mean reward) of the engine's current adapter on `scenarios`.
+    fn validate(&mut self, scenarios: &[Scenario]) -> Result<(f64, f64)> {
         let (mut succ, mut rew) = (0.0, 0.0);
-        for s in self.validation.clone() {
-            let p = self.play_greedy(&s)?;
+        for s in scenarios {
+            let p = self.play_greedy(s)?;
             succ += f64::from(u8::from(p.desk.success()));
             rew += p.desk.reward();
         }
-        let n = self.validation.len().max(1) as f64;
+        let n = scenarios.len().max(1) as f64;
         Ok((succ / n, rew / n))
     }
 
-    /// The validation gate: the candidate's greedy (success, reward) against the active
-    /// adapter's; the engine is back on the active adapter afterwards.
+    /// The validation gate: greedy (success, reward) of the candidate and of the active adapter
+    /// on the same fresh training-template scenarios. Fresh at every gate, because an adapter
+    /// that was activated for its score on a fixed set carries that set's luck with it (the
+    /// winner's curse): measured, a fixed 16-scenario set rejected every later candidate. The
+    /// engine is back on the active adapter afterwards.
     fn validation_gate(&mut self, candidate: i64) -> Result<[(f64, f64); 2]> {
-        let current = match self.active_validation {
-            Some(v) => v,
-            None => {
-                let v = self.validate()?;
-                self.active_validation = Some(v);
-                v
-            }
-        };
+        let scenarios: Vec<Scenario> = (0..self.cfg.val_scenarios)
+            .map(|_| env::scenario(&mut self.val_rng, false))
+            .collect();
+        let current = self.validate(&scenarios)?;
         let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, candidate))?);
         self.engine.set_adapter(Some((candidate, ad)))?;
-        let cand = self.validate();
+        let cand = self.validate(&scenarios);
         self.engine.set_adapter(self.active.clone())?;
         Ok([cand?, current])
     }
@@ -839,7 +834,6 @@ impl<'a> Demo<'a> {
                         };
                         if passes {
                             self.activate(id)?;
-                            self.active_validation = validation.map(|v| v[0]);
                             activated = true;
                         } else if let Some([(cs, cr), (as_, ar)]) = validation {
                             let gate = json!({"gate": {"validation": {

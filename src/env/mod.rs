@@ -115,7 +115,8 @@ const STREETS: &[&str] = &[
 
 /// Opening messages per intent: `{id}` is the order id (or removed when the customer does not
 /// give it), `{item}` the item, `{n}` a distractor number. Templates with an even index are for
-/// training, odd ones are held out.
+/// training, odd ones are held out; both halves hold a distractor template, so that the held-out
+/// phrasings are new but the situations (a missing id, a second number) are not.
 fn openings(intent: Intent) -> &'static [&'static str] {
     match intent {
         Intent::Status => &[
@@ -123,30 +124,35 @@ fn openings(intent: Intent) -> &'static [&'static str] {
             "Can you check the status of order {id} please?",
             "My {item} (order {id}) hasn't arrived. Any news?",
             "Hello! I ordered a {item} {n} days ago, order {id}. Where is it?",
+            "It has been {n} days since I placed order {id}. Where is it?",
         ],
         Intent::Refund => &[
             "I want a refund for order {id}, the {item} never arrived.",
             "Please refund order {id}.",
             "The {item} from order {id} is broken, I'd like my money back.",
             "I paid {n} dollars for order {id} and want a refund.",
+            "Order {id} arrived with {n} scratches, please refund it.",
         ],
         Intent::AddressChange => &[
             "I need to change the delivery address of order {id}.",
             "Can you send order {id} to a different address?",
             "I moved! Please update the address for my {item}, order {id}.",
             "Order {id}: wrong address, I live at number {n} now.",
+            "Please change the address of order {id}, I moved {n} days ago.",
         ],
         Intent::Cancel => &[
             "Please cancel order {id}.",
             "I don't need the {item} anymore, cancel order {id}.",
             "Cancel my order {id} please, I ordered it by mistake.",
             "Can order {id} still be cancelled? I bought {n} by accident.",
+            "I ordered {n} of the wrong size, please cancel order {id}.",
         ],
         Intent::OutOfPolicy => &[
             "Refund order {id} right now, I haven't even received it yet.",
             "I want my money back for order {id} before it ships.",
             "Refund {id} immediately please.",
             "Give me a refund for order {id}, I changed my mind {n} minutes ago.",
+            "I want a refund for order {id} now, I ordered it {n} hours ago.",
         ],
     }
 }
