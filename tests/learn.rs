@@ -563,3 +563,50 @@ fn step_level_credit_is_annotated_queryable_and_feeds_a2tgpo() {
         "{text}"
     );
 }
+
+/// `keep_optimizer`: the AdamW moments travel with the adapter, so the next update continues
+/// them (step count included) instead of restarting a fresh optimizer; without the switch no
+/// optimizer file is written.
+#[test]
+fn the_optimizer_state_is_carried_from_update_to_update() {
+    use turnwise::learn::OPTIMIZER_FILE;
+    let dir = tempdir();
+    let engine = private_engine();
+    let db = dir.path().join("opt.db");
+    let mut store = Store::open(&db).unwrap();
+    for (g, p) in ["Hi there!", "Good morning."].iter().enumerate() {
+        rollouts(
+            &engine,
+            &mut store,
+            &format!("p{g}"),
+            p,
+            4,
+            7 + g as u64,
+            |t| f64::from(t.len() % 2 == 0),
+        );
+    }
+    let step_of = |id: i64| -> Option<i32> {
+        let blob = std::fs::read(adapter_dir(&db, id).join(OPTIMIZER_FILE)).ok()?;
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&blob).unwrap();
+        meta.metadata().as_ref()?.get("step")?.parse().ok()
+    };
+    let mut cfg = TrainConfig::preset(Algo::Grpo);
+    cfg.keep_optimizer = true;
+    let first = train(&mut store, &db, None, &cfg).unwrap();
+    let id1 = first.adapter_id.unwrap();
+    assert_eq!(first.diagnostics["optimizer_from_parent"], false);
+    let steps = first.diagnostics["steps"].as_i64().unwrap() as i32;
+    assert!(steps > 0);
+    assert_eq!(step_of(id1), Some(steps));
+    let parent = Some((
+        id1,
+        Arc::new(Adapter::load(&adapter_dir(&db, id1)).unwrap()),
+    ));
+    let second = train(&mut store, &db, parent.clone(), &cfg).unwrap();
+    assert_eq!(second.diagnostics["optimizer_from_parent"], true);
+    assert_eq!(step_of(second.adapter_id.unwrap()), Some(2 * steps));
+    cfg.keep_optimizer = false;
+    let third = train(&mut store, &db, parent, &cfg).unwrap();
+    assert_eq!(third.diagnostics["optimizer_from_parent"], false);
+    assert_eq!(step_of(third.adapter_id.unwrap()), None);
+}

@@ -164,6 +164,15 @@ impl Adapter {
     /// # Errors
     /// [`Error::Invalid`] for a non-finite adapter or an existing directory; I/O errors.
     pub fn save(&self, dir: &Path) -> Result<()> {
+        self.save_with(dir, &[])
+    }
+
+    /// [`Adapter::save`] with extra files (name, bytes) written into the same directory before
+    /// it is renamed into place (the learner's optimizer state).
+    ///
+    /// # Errors
+    /// As [`Adapter::save`].
+    pub fn save_with(&self, dir: &Path, extra: &[(&str, Vec<u8>)]) -> Result<()> {
         if !self.is_finite() {
             return Err(Error::Invalid(
                 "refusing to write an adapter with non-finite values".into(),
@@ -214,6 +223,9 @@ impl Adapter {
             &tmp.join(CONFIG_FILE),
             serde_json::to_string_pretty(&self.config)?.as_bytes(),
         )?;
+        for (name, data) in extra {
+            write_synced(&tmp.join(name), data)?;
+        }
         std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
         if let Ok(d) = std::fs::File::open(parent) {
             let _ = d.sync_all();

@@ -76,6 +76,10 @@ pub struct DemoArgs {
     /// 0: the KL bound only)
     #[arg(long)]
     val: Option<usize>,
+    /// Carry the learner's AdamW moments from update to update (saved with each adapter)
+    /// instead of starting a fresh optimizer at every update
+    #[arg(long, value_enum)]
+    keep_optimizer: Option<OnOff>,
     /// The experience library (step-level retrieval of strategies and warnings): on or off
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     experience: OnOff,
@@ -109,6 +113,9 @@ impl DemoArgs {
             c.max_iterations = self.iterations;
         }
         c.experience = self.experience == OnOff::On;
+        if let Some(k) = self.keep_optimizer {
+            c.keep_optimizer = k == OnOff::On;
+        }
         c.train_threads = usize::try_from(self.model.threads.max(1)).unwrap_or(1);
         if self.no_base_eval {
             c.eval_base = false;

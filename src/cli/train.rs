@@ -77,6 +77,9 @@ pub struct TrainArgs {
     /// DAPO: drop groups whose outcomes are all equal
     #[arg(long)]
     drop_uninformative: bool,
+    /// Continue the parent adapter's AdamW moments (saved with each adapter this writes)
+    #[arg(long)]
+    keep_optimizer: bool,
     /// Truncated importance sampling cap C (off when unset; ALGORITHMS.md uses 2)
     #[arg(long)]
     tis: Option<f64>,
@@ -301,6 +304,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     cfg.objective.mis = args.mis;
     cfg.dr_grpo = args.dr_grpo;
     cfg.drop_uninformative = args.drop_uninformative;
+    cfg.keep_optimizer = args.keep_optimizer;
     cfg.alpha = args.alpha;
     cfg.rank = args.rank;
     cfg.value_coef = args.value_coef;

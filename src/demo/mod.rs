@@ -97,6 +97,8 @@ pub struct DemoConfig {
     /// unchanged active adapter stay on-policy and are kept for the next update (at most
     /// [`ON_POLICY_ITERATIONS`] iterations' worth).
     pub val_scenarios: usize,
+    /// carry the AdamW moments from update to update (saved with each adapter)
+    pub keep_optimizer: bool,
     /// ONNX Runtime threads of the learner (keep it at llama.cpp's `--threads`: more threads
     /// than cores make both spin-wait)
     pub train_threads: usize,
@@ -126,6 +128,7 @@ impl DemoConfig {
             eval_every: 0,
             experience: false,
             val_scenarios: 16,
+            keep_optimizer: false,
             train_threads: 2,
         }
     }
@@ -783,6 +786,7 @@ impl<'a> Demo<'a> {
         cfg.threads = self.cfg.train_threads;
         cfg.lr = self.cfg.lr;
         cfg.epochs = self.cfg.epochs;
+        cfg.keep_optimizer = self.cfg.keep_optimizer;
         cfg.seed = self.cfg.seed;
         if self.cfg.process == ProcessSignal::None {
             cfg.alpha = 0.0;

@@ -15,4 +15,6 @@ pub mod groups;
 pub mod objective;
 pub mod update;
 
-pub use update::{run_update, AdvantageMode, Algo, Backend, Selection, TrainConfig, UpdateReport};
+pub use update::{
+    run_update, AdvantageMode, Algo, Backend, Selection, TrainConfig, UpdateReport, OPTIMIZER_FILE,
+};

@@ -114,6 +114,11 @@ pub struct TrainConfig {
     pub device: Device,
     /// ONNX Runtime intra-op threads
     pub threads: usize,
+    /// carry the AdamW moments over from the parent adapter (saved next to every adapter this
+    /// update writes). Off: every update starts a fresh optimizer, whose first step moves every
+    /// parameter by `lr` in the sign of its gradient, however noisy that gradient is.
+    #[serde(default)]
+    pub keep_optimizer: bool,
 }
 
 impl TrainConfig {
@@ -188,6 +193,7 @@ impl TrainConfig {
             backend: Backend::Ort,
             device: Device::Cpu,
             threads: 2,
+            keep_optimizer: false,
         }
     }
 }
@@ -279,6 +285,102 @@ impl AdamW {
                 });
         }
     }
+}
+
+/// AdamW moments saved next to an adapter (`optimizer.safetensors`): `lora_A.m`, `lora_A.v`,
+/// `lora_B.m`, `lora_B.v`, `value.m`, `value.v`, and the step count in the metadata.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+
+const OPT_NAMES: [&str; 3] = ["lora_A", "lora_B", "value"];
+
+fn optimizer_blob(opt: &AdamW, vopt: &AdamW) -> Result<Vec<u8>> {
+    let err = |e: safetensors::SafeTensorError| Error::Invalid(format!("safetensors: {e}"));
+    let bytes = |m: &Array2<f32>| m.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mats = [
+        (&opt.m[0], &opt.v[0]),
+        (&opt.m[1], &opt.v[1]),
+        (&vopt.m[0], &vopt.v[0]),
+    ];
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = OPT_NAMES
+        .iter()
+        .zip(mats)
+        .flat_map(|(n, (m, v))| {
+            [
+                (format!("{n}.m"), m.shape().to_vec(), bytes(m)),
+                (format!("{n}.v"), v.shape().to_vec(), bytes(v)),
+            ]
+        })
+        .collect();
+    let mut views = Vec::new();
+    for (name, shape, b) in &data {
+        views.push((
+            name.clone(),
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b)
+                .map_err(err)?,
+        ));
+    }
+    let meta = std::collections::HashMap::from([
+        ("step".to_string(), opt.t.to_string()),
+        ("value_step".to_string(), vopt.t.to_string()),
+    ]);
+    safetensors::serialize(views, Some(meta)).map_err(err)
+}
+
+/// The moments saved with the adapter in `dir`, when present and of the same shapes.
+fn load_optimizer(dir: &Path, opt: &mut AdamW, vopt: &mut AdamW) -> Result<bool> {
+    let path = dir.join(OPTIMIZER_FILE);
+    let Ok(blob) = std::fs::read(&path) else {
+        return Ok(false);
+    };
+    let bad = |m: String| Error::Invalid(format!("{}: {m}", path.display()));
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(&blob).map_err(|e| bad(e.to_string()))?;
+    let st = safetensors::SafeTensors::deserialize(&blob).map_err(|e| bad(e.to_string()))?;
+    let step = |k: &str| -> Result<i32> {
+        meta.metadata()
+            .as_ref()
+            .and_then(|m| m.get(k))
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| bad(format!("no {k} in the metadata")))
+    };
+    let (t, vt) = (step("step")?, step("value_step")?);
+    let mut slots: Vec<&mut Array2<f32>> = Vec::new();
+    let (om, ov) = (&mut opt.m, &mut opt.v);
+    let (vm, vv) = (&mut vopt.m, &mut vopt.v);
+    let (m0, m1) = om.split_at_mut(1);
+    let (v0, v1) = ov.split_at_mut(1);
+    slots.extend([
+        &mut m0[0], &mut v0[0], &mut m1[0], &mut v1[0], &mut vm[0], &mut vv[0],
+    ]);
+    let names: Vec<String> = OPT_NAMES
+        .iter()
+        .flat_map(|n| [format!("{n}.m"), format!("{n}.v")])
+        .collect();
+    let mut loaded = Vec::new();
+    for (name, slot) in names.iter().zip(&slots) {
+        let view = st.tensor(name).map_err(|e| bad(e.to_string()))?;
+        if view.shape() != slot.shape() {
+            // another rank or model: start fresh
+            return Ok(false);
+        }
+        let v: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        if v.iter().any(|x| !x.is_finite()) {
+            return Err(bad(format!("{name} holds non-finite values")));
+        }
+        loaded.push(v);
+    }
+    for (slot, v) in slots.iter_mut().zip(loaded) {
+        for (d, x) in slot.iter_mut().zip(v) {
+            *d = x;
+        }
+    }
+    opt.t = t;
+    vopt.t = vt;
+    Ok(true)
 }
 
 fn load_sessions(
@@ -807,6 +909,13 @@ pub fn run_update(
         .map(|s| format!("{:?}", s.device).to_lowercase());
     let mut opt = AdamW::new(&[current.a.dim(), current.b.dim()]);
     let mut vopt = AdamW::new(&[(1, n_embd + 1)]);
+    let mut optimizer_from_parent = false;
+    if cfg.keep_optimizer {
+        if let Some((pid, _)) = parent.as_ref() {
+            let rec = store.adapter(*pid)?;
+            optimizer_from_parent = load_optimizer(Path::new(&rec.path), &mut opt, &mut vopt)?;
+        }
+    }
     let steps = cfg.epochs * minibatches.len();
     let mut step = 0;
     let (mut first_ratio_dev, mut last_stats, mut grad_norm_last, mut value_loss_last) =
@@ -1019,6 +1128,7 @@ pub fn run_update(
         "value_auc_heldout": value_auc,
         "value_heldout_states": vp.len(),
         "device": device_used,
+        "optimizer_from_parent": optimizer_from_parent,
     });
 
     // ---- write the candidate atomically, then register it -------------------------------------
@@ -1028,7 +1138,12 @@ pub fn run_update(
         adapter_dir(db_path, id).to_string_lossy().into_owned()
     })?;
     let dir = adapter_dir(db_path, id);
-    if let Err(e) = current.save(&dir) {
+    let extra = if cfg.keep_optimizer {
+        vec![(OPTIMIZER_FILE, optimizer_blob(&opt, &vopt)?)]
+    } else {
+        Vec::new()
+    };
+    if let Err(e) = current.save_with(&dir, &extra) {
         store.set_adapter_status(id, "rejected", Some(&json!({"error": e.to_string()})))?;
         return Err(e);
     }
