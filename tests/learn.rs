@@ -76,6 +76,32 @@ fn rollouts(
     out
 }
 
+/// A fresh store `name` in a temporary directory with four rollouts of each prompt, one group per
+/// prompt (`p0`, `p1`, …), the first seed of group `g` being `seed(g)`.
+fn groups_of_four(
+    name: &str,
+    prompts: &[&str],
+    seed: impl Fn(u64) -> u64,
+    reward: impl Fn(&str) -> f64 + Copy,
+) -> (tempfile::TempDir, std::path::PathBuf, Store) {
+    let dir = tempdir();
+    let engine = private_engine();
+    let db = dir.path().join(name);
+    let mut store = Store::open(&db).unwrap();
+    for (g, p) in prompts.iter().enumerate() {
+        rollouts(
+            &engine,
+            &mut store,
+            &format!("p{g}"),
+            p,
+            4,
+            seed(g as u64),
+            reward,
+        );
+    }
+    (dir, db, store)
+}
+
 #[test]
 fn a_trained_adapter_is_reproduced_from_stored_features() {
     let dir = tempdir();
@@ -361,21 +387,12 @@ fn rl_updates_raise_the_rewarded_behaviour_and_a_flipped_sign_lowers_it() {
 #[test]
 fn every_preset_runs_an_update_on_both_backends() {
     use turnwise::learn::Backend;
-    let dir = tempdir();
-    let engine = private_engine();
-    let db = dir.path().join("presets.db");
-    let mut store = Store::open(&db).unwrap();
-    for (g, p) in ["Hello!", "Where is my parcel?"].iter().enumerate() {
-        rollouts(
-            &engine,
-            &mut store,
-            &format!("p{g}"),
-            p,
-            4,
-            10 * g as u64,
-            |t| (t.len() % 3) as f64 / 2.0,
-        );
-    }
+    let (_dir, db, mut store) = groups_of_four(
+        "presets.db",
+        &["Hello!", "Where is my parcel?"],
+        |g| 10 * g,
+        |t| (t.len() % 3) as f64 / 2.0,
+    );
     for algo in [
         Algo::A2tgpo,
         Algo::Atpo,
@@ -570,21 +587,12 @@ fn step_level_credit_is_annotated_queryable_and_feeds_a2tgpo() {
 #[test]
 fn the_optimizer_state_is_carried_from_update_to_update() {
     use turnwise::learn::OPTIMIZER_FILE;
-    let dir = tempdir();
-    let engine = private_engine();
-    let db = dir.path().join("opt.db");
-    let mut store = Store::open(&db).unwrap();
-    for (g, p) in ["Hi there!", "Good morning."].iter().enumerate() {
-        rollouts(
-            &engine,
-            &mut store,
-            &format!("p{g}"),
-            p,
-            4,
-            7 + g as u64,
-            |t| f64::from(t.len() % 2 == 0),
-        );
-    }
+    let (_dir, db, mut store) = groups_of_four(
+        "opt.db",
+        &["Hi there!", "Good morning."],
+        |g| 7 + g,
+        |t| f64::from(t.len() % 2 == 0),
+    );
     let step_of = |id: i64| -> Option<i32> {
         let blob = std::fs::read(adapter_dir(&db, id).join(OPTIMIZER_FILE)).ok()?;
         let (_, meta) = safetensors::SafeTensors::read_metadata(&blob).unwrap();
