@@ -192,10 +192,11 @@ impl Adapter {
         ));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let flat = |m: &Array2<f32>| m.iter().copied().collect::<Vec<f32>>();
-        let (a, b) = (bytes(&flat(&self.a)), bytes(&flat(&self.b)));
-        let (vw, vb) = (bytes(&self.value_w.to_vec()), bytes(&[self.value_b]));
+        let (a, b) = (f32_bytes(self.a.iter()), f32_bytes(self.b.iter()));
+        let (vw, vb) = (
+            f32_bytes(self.value_w.iter()),
+            f32_bytes([self.value_b].iter()),
+        );
         let (r, d, v) = (self.config.r, self.n_embd(), self.n_vocab());
         let err = |e: safetensors::SafeTensorError| Error::Invalid(format!("safetensors: {e}"));
         let tensors = vec![
@@ -246,23 +247,7 @@ impl Adapter {
         let blob = std::fs::read(&wpath).map_err(|e| Error::io(&wpath, e))?;
         let st = SafeTensors::deserialize(&blob)
             .map_err(|e| Error::Invalid(format!("{}: {e}", wpath.display())))?;
-        let get = |name: &str| -> Result<(Vec<usize>, Vec<f32>)> {
-            let t = st
-                .tensor(name)
-                .map_err(|_| Error::Invalid(format!("{} has no tensor {name}", wpath.display())))?;
-            if t.dtype() != Dtype::F32 {
-                return Err(Error::Invalid(format!(
-                    "{name} is {:?}, expected F32",
-                    t.dtype()
-                )));
-            }
-            let v = t
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            Ok((t.shape().to_vec(), v))
-        };
+        let get = |name: &str| f32_tensor(&st, name, &wpath);
         let shape_err =
             |e: ndarray::ShapeError| Error::Invalid(format!("adapter tensor shape: {e}"));
         let (sa, a) = get(LORA_A)?;
@@ -295,6 +280,34 @@ impl Adapter {
         }
         Ok(out)
     }
+}
+
+/// Little-endian bytes of f32 values (safetensors' F32 layout).
+pub(crate) fn f32_bytes<'a>(v: impl Iterator<Item = &'a f32>) -> Vec<u8> {
+    v.flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Shape and values of the F32 tensor `name` of `st` (read from `path`, for the messages).
+pub(crate) fn f32_tensor(
+    st: &SafeTensors,
+    name: &str,
+    path: &Path,
+) -> Result<(Vec<usize>, Vec<f32>)> {
+    let t = st
+        .tensor(name)
+        .map_err(|_| Error::Invalid(format!("{} has no tensor {name}", path.display())))?;
+    if t.dtype() != Dtype::F32 {
+        return Err(Error::Invalid(format!(
+            "{name} is {:?}, expected F32",
+            t.dtype()
+        )));
+    }
+    let v = t
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Ok((t.shape().to_vec(), v))
 }
 
 fn write_synced(path: &Path, data: &[u8]) -> Result<()> {

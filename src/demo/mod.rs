@@ -92,8 +92,8 @@ pub struct DemoConfig {
     pub experience: bool,
     /// validation gate: a candidate is activated only if its greedy success (then mean reward)
     /// on this many fresh training-template scenarios is at least the active adapter's on the
-    /// same scenarios (0: off,
-    /// the KL bound is the only check). While candidates are rejected the rollouts of the
+    /// same scenarios (0: off, the KL bound is the only check). While candidates are rejected the
+    /// rollouts of the
     /// unchanged active adapter stay on-policy and are kept for the next update (at most
     /// [`ON_POLICY_ITERATIONS`] iterations' worth).
     pub val_scenarios: usize,

@@ -17,7 +17,7 @@ use super::objective::{
     lora_loss_and_grad_entropy, policy_weights, surrogate, Aggregation, ClipMode, Granularity,
     ObjectiveConfig, TokenBatch,
 };
-use crate::adapter::{adapter_dir, Adapter};
+use crate::adapter::{adapter_dir, f32_bytes, f32_tensor, Adapter};
 use crate::error::{Error, Result};
 use crate::graph::step::{OrtStep, StepInputs, StepKind};
 use crate::graph::Device;
@@ -253,6 +253,7 @@ struct Minibatch {
     states: Vec<(usize, f64)>,
 }
 
+#[derive(Clone)]
 struct AdamW {
     m: Vec<Array2<f32>>,
     v: Vec<Array2<f32>>,
@@ -291,42 +292,41 @@ impl AdamW {
 /// `lora_B.m`, `lora_B.v`, `value.m`, `value.v`, and the step count in the metadata.
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 
-const OPT_NAMES: [&str; 3] = ["lora_A", "lora_B", "value"];
+/// The saved moments: per tensor name, which optimizer and which of its parameters.
+const OPT_SLOTS: [(&str, bool, usize); 3] = [
+    ("lora_A", false, 0),
+    ("lora_B", false, 1),
+    ("value", true, 0),
+];
 
 fn optimizer_blob(opt: &AdamW, vopt: &AdamW) -> Result<Vec<u8>> {
     let err = |e: safetensors::SafeTensorError| Error::Invalid(format!("safetensors: {e}"));
-    let bytes = |m: &Array2<f32>| m.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let mats = [
-        (&opt.m[0], &opt.v[0]),
-        (&opt.m[1], &opt.v[1]),
-        (&vopt.m[0], &vopt.v[0]),
-    ];
-    let data: Vec<(String, Vec<usize>, Vec<u8>)> = OPT_NAMES
-        .iter()
-        .zip(mats)
-        .flat_map(|(n, (m, v))| {
-            [
-                (format!("{n}.m"), m.shape().to_vec(), bytes(m)),
-                (format!("{n}.v"), v.shape().to_vec(), bytes(v)),
-            ]
-        })
-        .collect();
+    let mut data = Vec::new();
+    for (name, value, k) in OPT_SLOTS {
+        let o = if value { vopt } else { opt };
+        for (kind, x) in [("m", &o.m[k]), ("v", &o.v[k])] {
+            data.push((
+                format!("{name}.{kind}"),
+                x.shape().to_vec(),
+                f32_bytes(x.iter()),
+            ));
+        }
+    }
     let mut views = Vec::new();
     for (name, shape, b) in &data {
-        views.push((
-            name.clone(),
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b)
-                .map_err(err)?,
-        ));
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b)
+            .map_err(err)?;
+        views.push((name.clone(), view));
     }
-    let meta = std::collections::HashMap::from([
+    let meta = HashMap::from([
         ("step".to_string(), opt.t.to_string()),
         ("value_step".to_string(), vopt.t.to_string()),
     ]);
     safetensors::serialize(views, Some(meta)).map_err(err)
 }
 
-/// The moments saved with the adapter in `dir`, when present and of the same shapes.
+/// The moments saved with the adapter in `dir`, when present and of the same shapes (`false`:
+/// none, or another rank or model, and the optimizers stay fresh).
 fn load_optimizer(dir: &Path, opt: &mut AdamW, vopt: &mut AdamW) -> Result<bool> {
     let path = dir.join(OPTIMIZER_FILE);
     let Ok(blob) = std::fs::read(&path) else {
@@ -344,42 +344,23 @@ fn load_optimizer(dir: &Path, opt: &mut AdamW, vopt: &mut AdamW) -> Result<bool>
             .ok_or_else(|| bad(format!("no {k} in the metadata")))
     };
     let (t, vt) = (step("step")?, step("value_step")?);
-    let mut slots: Vec<&mut Array2<f32>> = Vec::new();
-    let (om, ov) = (&mut opt.m, &mut opt.v);
-    let (vm, vv) = (&mut vopt.m, &mut vopt.v);
-    let (m0, m1) = om.split_at_mut(1);
-    let (v0, v1) = ov.split_at_mut(1);
-    slots.extend([
-        &mut m0[0], &mut v0[0], &mut m1[0], &mut v1[0], &mut vm[0], &mut vv[0],
-    ]);
-    let names: Vec<String> = OPT_NAMES
-        .iter()
-        .flat_map(|n| [format!("{n}.m"), format!("{n}.v")])
-        .collect();
-    let mut loaded = Vec::new();
-    for (name, slot) in names.iter().zip(&slots) {
-        let view = st.tensor(name).map_err(|e| bad(e.to_string()))?;
-        if view.shape() != slot.shape() {
-            // another rank or model: start fresh
-            return Ok(false);
-        }
-        let v: Vec<f32> = view
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        if v.iter().any(|x| !x.is_finite()) {
-            return Err(bad(format!("{name} holds non-finite values")));
-        }
-        loaded.push(v);
-    }
-    for (slot, v) in slots.iter_mut().zip(loaded) {
-        for (d, x) in slot.iter_mut().zip(v) {
-            *d = x;
+    let (mut fresh, mut vfresh) = (opt.clone(), vopt.clone());
+    for (name, value, k) in OPT_SLOTS {
+        let o = if value { &mut vfresh } else { &mut fresh };
+        for (kind, x) in [("m", &mut o.m[k]), ("v", &mut o.v[k])] {
+            let name = format!("{name}.{kind}");
+            let (shape, v) = f32_tensor(&st, &name, &path)?;
+            if shape != x.shape() {
+                return Ok(false);
+            }
+            if v.iter().any(|x| !x.is_finite()) {
+                return Err(bad(format!("{name} holds non-finite values")));
+            }
+            x.iter_mut().zip(v).for_each(|(d, s)| *d = s);
         }
     }
-    opt.t = t;
-    vopt.t = vt;
+    (fresh.t, vfresh.t) = (t, vt);
+    (*opt, *vopt) = (fresh, vfresh);
     Ok(true)
 }
 
