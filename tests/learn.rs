@@ -618,3 +618,39 @@ fn the_optimizer_state_is_carried_from_update_to_update() {
     assert_eq!(third.diagnostics["optimizer_from_parent"], false);
     assert_eq!(step_of(third.adapter_id.unwrap()), None);
 }
+
+/// The KL term's reference can be a stored adapter (the demo's warm start): an update that
+/// starts from that adapter and does not move (lr 0) is at KL 0 from it, and at a positive KL
+/// from the base policy it would otherwise be compared with.
+#[test]
+fn the_kl_reference_can_be_a_stored_adapter() {
+    let (_dir, db, mut store) = groups_of_four(
+        "klref.db",
+        &["Hi there!", "Good morning."],
+        |g| 11 + g,
+        |t| f64::from(t.len() % 2 == 0),
+    );
+    let first = train(&mut store, &db, None, &TrainConfig::preset(Algo::Grpo)).unwrap();
+    let id1 = first.adapter_id.unwrap();
+    let parent = Some((
+        id1,
+        Arc::new(Adapter::load(&adapter_dir(&db, id1)).unwrap()),
+    ));
+    let mut cfg = TrainConfig::preset(Algo::Grpo);
+    cfg.lr = 0.0;
+    cfg.objective.kl_coef = 0.1;
+    let to_base = train(&mut store, &db, parent.clone(), &cfg).unwrap();
+    assert_eq!(to_base.diagnostics["kl_reference"], "base");
+    let kl_base = to_base.diagnostics["kl_ref_k3"].as_f64().unwrap();
+    assert!(kl_base > 1e-6, "{kl_base}");
+    cfg.kl_ref_adapter = Some(id1);
+    let to_warm = train(&mut store, &db, parent, &cfg).unwrap();
+    assert_eq!(to_warm.diagnostics["kl_reference"], id1);
+    let kl_warm = to_warm.diagnostics["kl_ref_k3"].as_f64().unwrap();
+    assert!(kl_warm.abs() < 1e-9, "{kl_warm}");
+    // an unknown reference is an error before anything is written
+    let adapters = store.adapters().unwrap().len();
+    cfg.kl_ref_adapter = Some(999);
+    assert!(train(&mut store, &db, None, &cfg).is_err());
+    assert_eq!(store.adapters().unwrap().len(), adapters);
+}

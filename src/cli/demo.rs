@@ -65,6 +65,12 @@ pub struct DemoArgs {
     /// RL learning rate
     #[arg(long)]
     lr: Option<f64>,
+    /// AdamW ε of the RL updates (default 1e-8)
+    #[arg(long)]
+    adam_eps: Option<f64>,
+    /// k3 KL coefficient towards the warm-start adapter (default 0: off)
+    #[arg(long)]
+    kl_warm: Option<f64>,
     /// RL epochs per update
     #[arg(long)]
     epochs: Option<usize>,
@@ -80,6 +86,11 @@ pub struct DemoArgs {
     /// instead of starting a fresh optimizer at every update
     #[arg(long, value_enum)]
     keep_optimizer: Option<OnOff>,
+    /// Centre each group's outcomes without dividing by their std (Dr.GRPO; on by default: the
+    /// format term would otherwise make groups where every rollout failed look as informative
+    /// as groups with a success)
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    dr_grpo: OnOff,
     /// The experience library (step-level retrieval of strategies and warnings): on or off
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     experience: OnOff,
@@ -108,7 +119,8 @@ impl DemoArgs {
         set!(eval => eval_scenarios, eval_every => eval_every, demos => demos,
              warm_epochs => warm_epochs, scenarios => scenarios_per_iter, group => group_size,
              process => process, gate_kl => gate_kl, lr => lr, epochs => epochs,
-             temperature => temperature, val => val_scenarios);
+             temperature => temperature, val => val_scenarios, adam_eps => adam_eps,
+             kl_warm => kl_warm);
         if self.iterations.is_some() {
             c.max_iterations = self.iterations;
         }
@@ -116,6 +128,7 @@ impl DemoArgs {
         if let Some(k) = self.keep_optimizer {
             c.keep_optimizer = k == OnOff::On;
         }
+        c.dr_grpo = self.dr_grpo == OnOff::On;
         c.train_threads = usize::try_from(self.model.threads.max(1)).unwrap_or(1);
         if self.no_base_eval {
             c.eval_base = false;

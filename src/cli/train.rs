@@ -77,6 +77,9 @@ pub struct TrainArgs {
     /// DAPO: drop groups whose outcomes are all equal
     #[arg(long)]
     drop_uninformative: bool,
+    /// AdamW ε [1e-8]; larger values keep parameters with tiny gradients still
+    #[arg(long)]
+    adam_eps: Option<f64>,
     /// Continue the parent adapter's AdamW moments (saved with each adapter this writes)
     #[arg(long)]
     keep_optimizer: bool,
@@ -89,9 +92,12 @@ pub struct TrainArgs {
     /// MIS: drop tokens whose behaviour ratio is outside [0.5, 2]
     #[arg(long)]
     mis: bool,
-    /// k3 KL-to-base coefficient
+    /// k3 KL coefficient (reference: the base policy, or --kl-ref)
     #[arg(long, default_value_t = 0.0)]
     kl_coef: f64,
+    /// Reference adapter id of the KL term (default: the base policy, adapter off)
+    #[arg(long)]
+    kl_ref: Option<i64>,
     /// A²TGPO α (weight of the process term)
     #[arg(long, default_value_t = 1.0)]
     alpha: f64,
@@ -300,11 +306,15 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     }
     cfg.objective.tis_cap = args.tis;
     cfg.objective.kl_coef = args.kl_coef;
+    cfg.kl_ref_adapter = args.kl_ref;
     cfg.objective.entropy_coef = args.entropy_coef;
     cfg.objective.mis = args.mis;
     cfg.dr_grpo = args.dr_grpo;
     cfg.drop_uninformative = args.drop_uninformative;
     cfg.keep_optimizer = args.keep_optimizer;
+    if let Some(e) = args.adam_eps {
+        cfg.adam_eps = e;
+    }
     cfg.alpha = args.alpha;
     cfg.rank = args.rank;
     cfg.value_coef = args.value_coef;

@@ -99,6 +99,22 @@ pub struct DemoConfig {
     pub val_scenarios: usize,
     /// carry the AdamW moments from update to update (saved with each adapter)
     pub keep_optimizer: bool,
+    /// centre the outcome inside each group without dividing by its std (Dr.GRPO). The desk's
+    /// reward has a format term (−0.1 per malformed call), so in a group where every rollout
+    /// failed the rewards still differ by a tenth or two; dividing by that group's tiny std turns
+    /// "one malformed call fewer" into a full ±1 advantage, as large as a success — about half
+    /// the groups of a run are like that, and they taught `ACTION decline` (always well-formed)
+    /// on refunds. Centred only, such a group weighs a tenth of a group with a success.
+    pub dr_grpo: bool,
+    /// the learner's AdamW ε for RL updates (the warm start always uses 1e-8). At 1e-8 a fresh
+    /// optimizer's first step moves every vocabulary row of the LoRA by the full `lr`, softmax
+    /// tail included; 1e-6 keeps tail tokens still (measured once, with lr 2e-3: worse, README)
+    pub adam_eps: f64,
+    /// k3 KL coefficient towards the warm-start adapter (0: off). Larger RL steps on the
+    /// output-projection LoRA shift digit tokens everywhere and break copying the order id
+    /// (measured: `ACTION status 3999999…`); the KL to the warm start holds every token the
+    /// reward does not explain near what the demonstrations taught
+    pub kl_warm: f64,
     /// ONNX Runtime threads of the learner (keep it at llama.cpp's `--threads`: more threads
     /// than cores make both spin-wait)
     pub train_threads: usize,
@@ -129,6 +145,9 @@ impl DemoConfig {
             experience: false,
             val_scenarios: 16,
             keep_optimizer: false,
+            dr_grpo: true,
+            adam_eps: 1e-8,
+            kl_warm: 0.0,
             train_threads: 2,
         }
     }
@@ -787,6 +806,12 @@ impl<'a> Demo<'a> {
         cfg.lr = self.cfg.lr;
         cfg.epochs = self.cfg.epochs;
         cfg.keep_optimizer = self.cfg.keep_optimizer;
+        cfg.dr_grpo = self.cfg.dr_grpo;
+        cfg.adam_eps = self.cfg.adam_eps;
+        if self.cfg.kl_warm > 0.0 {
+            cfg.objective.kl_coef = self.cfg.kl_warm;
+            cfg.kl_ref_adapter = self.result.warm_adapter;
+        }
         cfg.seed = self.cfg.seed;
         if self.cfg.process == ProcessSignal::None {
             cfg.alpha = 0.0;

@@ -178,6 +178,22 @@ mod tests {
         );
     }
 
+    /// The demo's reason for Dr.GRPO: a group where every rollout failed and only the format
+    /// term differs (0, −0.1, −0.1, −0.2) gets advantages as large as a group with one success
+    /// when divided by its std, and ten times smaller when only centred.
+    #[test]
+    fn format_only_groups_weigh_little_without_std_division() {
+        let r = [0.0, -0.1, -0.1, -0.2, 1.0, 0.0, 0.0, 0.0];
+        let g = [0, 0, 0, 0, 1, 1, 1, 1];
+        let z = group_normalize(&r, &g, true);
+        // both groups: the best member is +√2 (fail group) and +√3 (success group) std above
+        assert!((z[0] - 2f64.sqrt()).abs() < 1e-4 && (z[4] - 3f64.sqrt()).abs() < 1e-4);
+        let c = group_normalize(&r, &g, false);
+        // centred: +0.1 for the tidiest failure, +0.75 for the success
+        assert!((c[0] - 0.1).abs() < 1e-12 && (c[4] - 0.75).abs() < 1e-12);
+        assert!((c[3] + 0.1).abs() < 1e-12 && (c[5] + 0.25).abs() < 1e-12);
+    }
+
     #[test]
     fn gigpo_by_hand() {
         // two sessions in one group; both start from the same observation "o0", then diverge

@@ -89,6 +89,13 @@ pub struct TrainConfig {
     pub lr: f64,
     /// AdamW weight decay
     pub weight_decay: f64,
+    /// AdamW ε: a parameter whose gradient is far below it barely moves. At the usual 1e-8 every
+    /// row of the LoRA's vocabulary matrix moves by the full `lr` at a fresh optimizer's first
+    /// step, even for tokens with a probability of 1e-7 whose gradient is only softmax tail;
+    /// a larger ε (e.g. 1e-6) keeps those still and spends the step on tokens the policy
+    /// actually weighs.
+    #[serde(default = "default_adam_eps")]
+    pub adam_eps: f64,
     /// gradient-norm clip
     pub max_grad_norm: f64,
     /// passes over the batch
@@ -119,6 +126,11 @@ pub struct TrainConfig {
     /// parameter by `lr` in the sign of its gradient, however noisy that gradient is.
     #[serde(default)]
     pub keep_optimizer: bool,
+    /// the reference of the KL term (`objective.kl_coef`): this stored adapter (e.g. the warm
+    /// start, so that RL stays near what the demonstrations taught on every token the reward
+    /// does not explain); None: the base policy, adapter off (ALGORITHMS.md §8)
+    #[serde(default)]
+    pub kl_ref_adapter: Option<i64>,
 }
 
 impl TrainConfig {
@@ -181,6 +193,7 @@ impl TrainConfig {
             gamma: if algo == Algo::Gigpo { 0.95 } else { 1.0 },
             lr: if algo == Algo::Sft { 5e-3 } else { 1e-3 },
             weight_decay: 0.0,
+            adam_eps: default_adam_eps(),
             max_grad_norm: 1.0,
             epochs: if algo == Algo::Sft { 20 } else { 2 },
             minibatch_tokens: 512,
@@ -194,8 +207,13 @@ impl TrainConfig {
             device: Device::Cpu,
             threads: 2,
             keep_optimizer: false,
+            kl_ref_adapter: None,
         }
     }
+}
+
+fn default_adam_eps() -> f64 {
+    1e-8
 }
 
 /// Which sessions an update reads.
@@ -268,9 +286,10 @@ impl AdamW {
             t: 0,
         }
     }
-    fn step(&mut self, params: &mut [&mut Array2<f32>], grads: &[Array2<f32>], lr: f64, wd: f64) {
+    fn step(&mut self, params: &mut [&mut Array2<f32>], grads: &[Array2<f32>], hp: [f64; 3]) {
+        let [lr, wd, eps] = hp;
         self.t += 1;
-        let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-8f32);
+        let (b1, b2, eps) = (0.9f32, 0.999f32, eps as f32);
         let c1 = 1.0 - b1.powi(self.t);
         let c2 = 1.0 - b2.powi(self.t);
         for (i, (p, g)) in params.iter_mut().zip(grads).enumerate() {
@@ -552,6 +571,14 @@ pub fn run_update(
 ) -> Result<UpdateReport> {
     let t_start = Instant::now();
     let sft = cfg.algo == Algo::Sft;
+    // the KL reference first: an unknown one fails before anything is written
+    let kl_ref = match cfg
+        .kl_ref_adapter
+        .filter(|_| cfg.objective.kl_coef > 0.0 && !sft)
+    {
+        Some(id) => Some(Adapter::load(Path::new(&store.adapter(id)?.path))?),
+        None => None,
+    };
     progress("loading sessions", 0, 1);
     let sessions = load_sessions(
         store,
@@ -847,6 +874,17 @@ pub fn run_update(
             .map_err(|e| Error::Corrupt(e.to_string()))?;
         mb.base = head.base_logits(mb.h.view())?;
         mb.batch.logp_ref = log_softmax_at(&mb.base, &mb.tokens);
+        if let Some(r) = &kl_ref {
+            mb.batch.logp_ref = forward_logp(
+                ort_step.as_mut(),
+                cfg,
+                sft,
+                &mb,
+                r.a.view(),
+                r.b.view(),
+                r.scale(),
+            )?;
+        }
         // logp_old per turn under the adapter that generated it, computed by the same step
         // engine as the new log-probs (so the first ratio of the update is exactly 1)
         let zero_b = Array2::<f32>::zeros(current.b.dim());
@@ -995,8 +1033,7 @@ pub fn run_update(
             opt.step(
                 &mut [&mut current.a, &mut current.b],
                 &[da, db],
-                cfg.lr,
-                cfg.weight_decay,
+                [cfg.lr, cfg.weight_decay, cfg.adam_eps],
             );
             if cfg.value_coef > 0.0 {
                 let mut vp = Array2::from_shape_fn((1, n_embd + 1), |(_, j)| {
@@ -1006,7 +1043,11 @@ pub fn run_update(
                         current.value_b
                     }
                 });
-                vopt.step(&mut [&mut vp], &[gw.insert_axis(Axis(0))], cfg.lr, 0.0);
+                vopt.step(
+                    &mut [&mut vp],
+                    &[gw.insert_axis(Axis(0))],
+                    [cfg.lr, 0.0, cfg.adam_eps],
+                );
                 for j in 0..n_embd {
                     current.value_w[j] = vp[[0, j]];
                 }
@@ -1085,6 +1126,7 @@ pub fn run_update(
         "value_loss": value_loss_last,
         "approx_kl": st.approx_kl,
         "kl_ref_k3": st.kl_ref,
+        "kl_reference": cfg.kl_ref_adapter.map_or(json!("base"), |id| json!(id)),
         "clip_frac_low": st.clip_low_frac,
         "clip_frac_high": st.clip_high_frac,
         "clip_scale_mean": st.clip_scale_mean,
@@ -1165,4 +1207,30 @@ pub fn run_update(
         adapter_id: Some(id),
         diagnostics,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// First AdamW step by hand: m̂ = g and v̂ = g², so a parameter moves by lr·g / (|g| + ε) —
+    /// the full `lr` for any gradient far above ε, however small, and little below it.
+    #[test]
+    fn adamw_first_step_is_lr_times_g_over_g_plus_eps() {
+        let g = Array2::from_shape_vec((1, 3), vec![0.5f32, 1e-9, -1e-6]).expect("shape");
+        let mut p = Array2::from_elem((1, 3), 1.0f32);
+        AdamW::new(&[(1, 3)]).step(&mut [&mut p], std::slice::from_ref(&g), [1e-2, 0.0, 1e-6]);
+        let want = [
+            1.0 - 1e-2 * 0.5 / (0.5 + 1e-6),
+            1.0 - 1e-2 * 1e-9 / (1e-9 + 1e-6),
+            1.0 + 1e-2 * 0.5,
+        ];
+        for (got, want) in p.iter().zip(want) {
+            assert!((f64::from(*got) - want).abs() < 1e-7, "{got} vs {want}");
+        }
+        // at ε = 1e-8 the 1e-9 gradient (a softmax-tail token) still moves by lr / 11
+        let mut q = Array2::from_elem((1, 3), 1.0f32);
+        AdamW::new(&[(1, 3)]).step(&mut [&mut q], &[g], [1e-2, 0.0, 1e-8]);
+        assert!((f64::from(q[[0, 1]]) - (1.0 - 1e-2 / 11.0)).abs() < 1e-6);
+    }
 }
