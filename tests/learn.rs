@@ -581,18 +581,24 @@ fn step_level_credit_is_annotated_queryable_and_feeds_a2tgpo() {
     );
 }
 
+/// Two greeting prompts, four rollouts each, rewarded for an even reply length (`seed0 + g` is
+/// group `g`'s first seed).
+fn greetings(name: &str, seed0: u64) -> (tempfile::TempDir, std::path::PathBuf, Store) {
+    groups_of_four(
+        name,
+        &["Hi there!", "Good morning."],
+        |g| seed0 + g,
+        |t| f64::from(t.len() % 2 == 0),
+    )
+}
+
 /// `keep_optimizer`: the AdamW moments travel with the adapter, so the next update continues
 /// them (step count included) instead of restarting a fresh optimizer; without the switch no
 /// optimizer file is written.
 #[test]
 fn the_optimizer_state_is_carried_from_update_to_update() {
     use turnwise::learn::OPTIMIZER_FILE;
-    let (_dir, db, mut store) = groups_of_four(
-        "opt.db",
-        &["Hi there!", "Good morning."],
-        |g| 7 + g,
-        |t| f64::from(t.len() % 2 == 0),
-    );
+    let (_dir, db, mut store) = greetings("opt.db", 7);
     let step_of = |id: i64| -> Option<i32> {
         let blob = std::fs::read(adapter_dir(&db, id).join(OPTIMIZER_FILE)).ok()?;
         let (_, meta) = safetensors::SafeTensors::read_metadata(&blob).unwrap();
@@ -624,12 +630,7 @@ fn the_optimizer_state_is_carried_from_update_to_update() {
 /// from the base policy it would otherwise be compared with.
 #[test]
 fn the_kl_reference_can_be_a_stored_adapter() {
-    let (_dir, db, mut store) = groups_of_four(
-        "klref.db",
-        &["Hi there!", "Good morning."],
-        |g| 11 + g,
-        |t| f64::from(t.len() % 2 == 0),
-    );
+    let (_dir, db, mut store) = greetings("klref.db", 11);
     let first = train(&mut store, &db, None, &TrainConfig::preset(Algo::Grpo)).unwrap();
     let id1 = first.adapter_id.unwrap();
     let parent = Some((
