@@ -873,6 +873,8 @@ pub fn run_update(
         mb.h = Array2::from_shape_vec((mb.tokens.len(), n_embd), rows)
             .map_err(|e| Error::Corrupt(e.to_string()))?;
         mb.base = head.base_logits(mb.h.view())?;
+        // the base policy's log-probs; with a reference adapter they are only the step
+        // graph's input of the right length while it computes the reference's own
         mb.batch.logp_ref = log_softmax_at(&mb.base, &mb.tokens);
         if let Some(r) = &kl_ref {
             mb.batch.logp_ref = forward_logp(
