@@ -252,3 +252,87 @@ fn the_value_head_separates_desk_successes_from_failures() {
         assert!(credit.iter().all(|c| c.contribution.is_some()));
     }
 }
+
+/// The demo scores the ground truth's action line while a rollout is still in the KV cache;
+/// those log-probs must be the ones `turnwise annotate` computes from the logged session, one
+/// before the first agent reply and one after each.
+#[test]
+fn information_gain_scored_while_playing_matches_rescoring_the_log() {
+    use std::collections::HashMap;
+    use turnwise::adapter::Adapter;
+    use turnwise::demo::{play, LogMeta, PlaySettings};
+    use turnwise::env;
+    use turnwise::learn::annotate::{annotate_sessions_with, AnnotateConfig, InfoGainSource};
+    use turnwise::policy::sampler::{Rng, SamplerParams};
+
+    let dir = tempdir();
+    let mut store = Store::open(&dir.path().join("ig.db")).unwrap();
+    let engine = crate::common::engine();
+    let mut rng = Rng::new(11);
+    let mut scored = HashMap::new();
+    for k in 0..3u64 {
+        let s = env::scenario(&mut rng, false);
+        let how = PlaySettings {
+            patience: 3,
+            params: SamplerParams {
+                seed: 40 + k,
+                max_tokens: 24,
+                ..Default::default()
+            },
+            key: crate::common::session_key(),
+            score_reference: true,
+        };
+        let log = LogMeta {
+            group: format!("s{k}"),
+            metadata: serde_json::json!({}),
+        };
+        let played = play(engine, &mut store, &s, &how, Some(log), None).unwrap();
+        let sid = played.session_id.unwrap();
+        let p = played.reference_logp.unwrap();
+        // the same numbers from the log, as annotating it afterwards computes them
+        let reference = store.session(sid).unwrap().reference.unwrap();
+        let (mut context, mut q) = (Vec::new(), Vec::new());
+        for t in store.turns(sid).unwrap() {
+            if t.role == turnwise::Role::Assistant && q.is_empty() {
+                q.push(
+                    engine
+                        .score_reference(context.clone(), false, &reference)
+                        .unwrap(),
+                );
+            }
+            context.extend_from_slice(&t.token_ids);
+            if t.role == turnwise::Role::Assistant {
+                q.push(
+                    engine
+                        .score_reference(context.clone(), true, &reference)
+                        .unwrap(),
+                );
+            }
+        }
+        assert_eq!(p.len(), assistant_turns(&store, sid) + 1);
+        assert_eq!(p.len(), q.len());
+        // llama.cpp's numbers depend on how the context was batched (generated token by token
+        // or prefilled), by a few hundredths of a nat
+        for (a, b) in p.iter().zip(&q) {
+            assert!((a - b).abs() < 0.25, "played {p:?}, rescored {q:?}");
+        }
+        scored.insert(sid, p);
+    }
+    let ids: Vec<i64> = scored.keys().copied().collect();
+    let info = engine.info();
+    let head = Adapter::fresh(info.n_embd, info.n_vocab, 8, 16.0, 0, &info.name);
+    let cfg = AnnotateConfig::default();
+    let src = InfoGainSource::Scored(&scored);
+    let sum = annotate_sessions_with(&mut store, &ids, &head, None, src, &cfg).unwrap();
+    assert_eq!(sum.info_gain_turns, sum.turns);
+    for &sid in &ids {
+        let credit = store.turn_credit(sid).unwrap();
+        assert!(credit.iter().all(|c| c.info_gain.is_some()), "{credit:?}");
+    }
+    // log-probs that do not match the session's turns are a clear error, not a silent shift
+    let mut wrong = scored.clone();
+    wrong.get_mut(&ids[0]).unwrap().pop();
+    let src = InfoGainSource::Scored(&wrong);
+    let e = annotate_sessions_with(&mut store, &ids[..1], &head, None, src, &cfg).unwrap_err();
+    assert!(e.to_string().contains("reference log-probs"), "{e}");
+}

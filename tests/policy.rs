@@ -49,6 +49,33 @@ fn generation_with_a_fixed_seed_is_reproducible() {
     }
 }
 
+/// The learner's digit mask reads the vocabulary from the GGUF: every token of an order id is a
+/// digit token, the words around it are not.
+#[test]
+fn the_head_knows_which_tokens_write_digits() {
+    let (e, h) = (engine(), head());
+    let number = e.tokenize("33811").unwrap();
+    assert!(
+        number.iter().all(|&t| h.is_digit_token(t as usize)),
+        "{number:?}"
+    );
+    let words = e.tokenize("ACTION refund").unwrap();
+    assert!(
+        words.iter().all(|&t| !h.is_digit_token(t as usize)),
+        "{words:?}"
+    );
+    let line = e.tokenize("ACTION refund 33811").unwrap();
+    let digits = line
+        .iter()
+        .filter(|&&t| h.is_digit_token(t as usize))
+        .count();
+    assert_eq!(digits, number.len(), "{line:?}");
+    assert!(
+        !h.is_digit_token(usize::MAX),
+        "an id outside the vocabulary"
+    );
+}
+
 /// Recomputes each sampled token's behaviour log-prob from the stored (f16) hidden state via
 /// `base_logits` and the sampler's own distribution, and compares with what the sampler recorded.
 #[test]

@@ -267,6 +267,7 @@ fn train(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
             logp_old: vec![-3.0; t],
             logp_behavior: vec![-3.0; t],
             logp_ref: vec![-3.0; t],
+            trainable: Vec::new(),
         };
         let f = |x: &[f64]| x.iter().map(|&y| y as f32).collect::<Vec<f32>>();
         for &r in &[8usize, 16] {

@@ -91,6 +91,11 @@ pub struct DemoArgs {
     /// as groups with a success)
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     dr_grpo: OnOff,
+    /// RL gives digit tokens (copied order ids) no policy gradient, so that the reward trains
+    /// the decisions and leaves number copying as the warm start taught it [default: off;
+    /// measured once on seed 1: no candidate passed the validation gate]
+    #[arg(long, value_enum)]
+    mask_digits: Option<OnOff>,
     /// The experience library (step-level retrieval of strategies and warnings): on or off
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     experience: OnOff,
@@ -129,6 +134,9 @@ impl DemoArgs {
             c.keep_optimizer = k == OnOff::On;
         }
         c.dr_grpo = self.dr_grpo == OnOff::On;
+        if let Some(m) = self.mask_digits {
+            c.mask_digits = m == OnOff::On;
+        }
         c.train_threads = usize::try_from(self.model.threads.max(1)).unwrap_or(1);
         if self.no_base_eval {
             c.eval_base = false;

@@ -92,6 +92,9 @@ pub struct TrainArgs {
     /// MIS: drop tokens whose behaviour ratio is outside [0.5, 2]
     #[arg(long)]
     mis: bool,
+    /// Give digit tokens (copied order ids, amounts) no policy gradient in RL updates
+    #[arg(long)]
+    mask_digits: bool,
     /// k3 KL coefficient (reference: the base policy, or --kl-ref)
     #[arg(long, default_value_t = 0.0)]
     kl_coef: f64,
@@ -309,6 +312,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     cfg.kl_ref_adapter = args.kl_ref;
     cfg.objective.entropy_coef = args.entropy_coef;
     cfg.objective.mis = args.mis;
+    cfg.mask_digits = args.mask_digits;
     cfg.dr_grpo = args.dr_grpo;
     cfg.drop_uninformative = args.drop_uninformative;
     cfg.keep_optimizer = args.keep_optimizer;

@@ -8,6 +8,7 @@
 
 pub mod report;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -19,7 +20,7 @@ use crate::adapter::{adapter_dir, Adapter};
 use crate::env::{self, Desk, Observation, Scenario};
 use crate::error::{Error, Result};
 use crate::experience::{EntryRow, Evolution, Library, LibraryConfig};
-use crate::learn::annotate::{annotate_sessions, AnnotateConfig};
+use crate::learn::annotate::{annotate_sessions_with, AnnotateConfig, InfoGainSource};
 use crate::learn::{run_update, Algo, Selection, TrainConfig};
 use crate::policy::sampler::Rng;
 use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams};
@@ -115,6 +116,8 @@ pub struct DemoConfig {
     /// (measured: `ACTION status 3999999…`); the KL to the warm start holds every token the
     /// reward does not explain near what the demonstrations taught
     pub kl_warm: f64,
+    /// RL gives digit tokens no policy gradient ([`crate::learn::TrainConfig::mask_digits`])
+    pub mask_digits: bool,
     /// ONNX Runtime threads of the learner (keep it at llama.cpp's `--threads`: more threads
     /// than cores make both spin-wait)
     pub train_threads: usize,
@@ -132,7 +135,7 @@ impl DemoConfig {
             eval_base: true,
             demos: 40,
             warm_epochs: 20,
-            scenarios_per_iter: 8,
+            scenarios_per_iter: 16,
             group_size: 4,
             patience: 5,
             max_tokens: 32,
@@ -148,6 +151,7 @@ impl DemoConfig {
             dr_grpo: true,
             adam_eps: 1e-8,
             kl_warm: 0.0,
+            mask_digits: false,
             train_threads: 2,
         }
     }
@@ -328,6 +332,10 @@ pub struct Played {
     pub transcript: Vec<(Role, String)>,
     /// the logged session
     pub session_id: Option<i64>,
+    /// with [`PlaySettings::score_reference`]: the frozen policy's mean log-prob of the ground
+    /// truth's action line before the first agent reply and after each one (what
+    /// [`crate::learn::annotate::annotate_sessions`] would compute from the log)
+    pub reference_logp: Option<Vec<f64>>,
 }
 
 /// How the agent plays a session.
@@ -339,6 +347,10 @@ pub struct PlaySettings {
     pub params: SamplerParams,
     /// the engine's session key (closed at the end)
     pub key: u64,
+    /// score the ground truth's action line after every agent reply while the session is in
+    /// the engine's KV cache: only the reference line is decoded, where annotating the log
+    /// afterwards decodes the whole session again
+    pub score_reference: bool,
 }
 
 /// How a played session is logged.
@@ -372,11 +384,15 @@ pub fn play(
         Message::new(Role::User, opening),
     ];
     let mut transcript = Vec::new();
+    let reference = env::action_line(&scenario.ground_truth);
+    // the session's tokens as the log will hold them (every turn's tokens, in order)
+    let mut context: Vec<crate::policy::llama::Token> = Vec::new();
+    let mut reference_logp = how.score_reference.then(Vec::new);
     let session_id = match &log {
         Some(l) => Some(store.create_session(&NewSession {
             source: Source::Demo,
             group_key: Some(l.group.clone()),
-            reference: Some(env::action_line(&scenario.ground_truth)),
+            reference: Some(reference.clone()),
             content_hash: None,
             metadata: l.metadata.clone(),
         })?),
@@ -400,6 +416,18 @@ pub fn play(
             let mut p = params.clone();
             p.seed = params.seed.wrapping_add(turn);
             let gen = engine.generate(key, std::mem::take(&mut pending), p.clone(), None)?;
+            for t in &gen.prompt {
+                context.extend_from_slice(&t.tokens);
+            }
+            if let Some(lp) = reference_logp.as_mut() {
+                if lp.is_empty() {
+                    lp.push(engine.score_reference(context.clone(), false, &reference)?);
+                }
+                context.extend_from_slice(&gen.reply.tokens);
+                lp.push(engine.score_reference(context.clone(), true, &reference)?);
+            } else {
+                context.extend_from_slice(&gen.reply.tokens);
+            }
             if let Some(sid) = session_id {
                 let ids =
                     store.append_turns(sid, &turns_from_generation(&gen, &p, engine.info()))?;
@@ -427,6 +455,7 @@ pub fn play(
         desk,
         transcript,
         session_id,
+        reference_logp,
     })
 }
 
@@ -572,6 +601,7 @@ impl<'a> Demo<'a> {
                 ..Default::default()
             },
             key: self.key(),
+            score_reference: false,
         };
         play(
             self.engine,
@@ -746,6 +776,12 @@ impl<'a> Demo<'a> {
         };
         let sampled_with = self.active.as_ref().map(|a| a.0);
         let (mut ids, mut succ, mut rew) = (Vec::new(), 0usize, 0.0);
+        // step-level credit: information gain of the ground truth with the frozen policy,
+        // scored during the rollouts (the session is still in the KV cache)
+        let uses_process = matches!(self.cfg.algo, Algo::A2tgpo | Algo::Atpo)
+            && self.cfg.process != ProcessSignal::None;
+        let score_reference = uses_process && self.cfg.process == ProcessSignal::InfoGain;
+        let mut scored = HashMap::new();
         for k in 0..self.cfg.scenarios_per_iter {
             let s = env::scenario(&mut rng, false);
             for g in 0..self.cfg.group_size {
@@ -760,6 +796,7 @@ impl<'a> Demo<'a> {
                     patience: self.cfg.patience,
                     params: p,
                     key,
+                    score_reference,
                 };
                 let played = play(
                     self.engine,
@@ -771,13 +808,13 @@ impl<'a> Demo<'a> {
                 )?;
                 succ += usize::from(played.desk.success());
                 rew += played.desk.reward();
+                if let (Some(id), Some(lp)) = (played.session_id, played.reference_logp) {
+                    scored.insert(id, lp);
+                }
                 ids.extend(played.session_id);
                 progress(Progress::Tick(&label));
             }
         }
-        // step-level credit: information gain of the ground truth with the frozen policy
-        let uses_process = matches!(self.cfg.algo, Algo::A2tgpo | Algo::Atpo)
-            && self.cfg.process != ProcessSignal::None;
         if uses_process {
             let value_head = match &self.active {
                 Some((_, a)) => a.clone(),
@@ -790,13 +827,17 @@ impl<'a> Demo<'a> {
                     &self.engine.info().name,
                 )),
             };
-            let with_engine = (self.cfg.process == ProcessSignal::InfoGain).then_some(self.engine);
-            annotate_sessions(
+            let info_gain = if score_reference {
+                InfoGainSource::Scored(&scored)
+            } else {
+                InfoGainSource::Off
+            };
+            annotate_sessions_with(
                 &mut self.store,
                 &ids,
                 &value_head,
                 self.active.as_ref().map(|a| a.0),
-                with_engine,
+                info_gain,
                 &AnnotateConfig::default(),
             )?;
         }
@@ -808,6 +849,7 @@ impl<'a> Demo<'a> {
         cfg.keep_optimizer = self.cfg.keep_optimizer;
         cfg.dr_grpo = self.cfg.dr_grpo;
         cfg.adam_eps = self.cfg.adam_eps;
+        cfg.mask_digits = self.cfg.mask_digits;
         if self.cfg.kl_warm > 0.0 {
             cfg.objective.kl_coef = self.cfg.kl_warm;
             cfg.kl_ref_adapter = self.result.warm_adapter;

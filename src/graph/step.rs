@@ -324,6 +324,8 @@ mod tests {
             logp_old: old.clone(),
             logp_behavior: old.iter().map(|x| x - 0.1).collect(),
             logp_ref: old.iter().map(|x| x + 0.05).collect(),
+            // two untrainable tokens (e.g. copied digits): zero policy weight in both engines
+            trainable: vec![true, false, true, true, true, false, true],
         };
         let f32v = |x: &[f64]| x.iter().map(|&y| y as f32).collect::<Vec<f32>>();
         for g in [Granularity::Token, Granularity::Sequence, Granularity::Turn] {

@@ -10,7 +10,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::adapter::Adapter;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::policy::Engine;
 use crate::store::{NewAnnotation, Store};
 use crate::Role;
@@ -115,6 +115,35 @@ pub fn annotate_sessions(
     engine: Option<&Engine>,
     cfg: &AnnotateConfig,
 ) -> Result<AnnotateSummary> {
+    let info_gain = engine.map_or(InfoGainSource::Off, InfoGainSource::Engine);
+    annotate_sessions_with(store, session_ids, value_head, producer_id, info_gain, cfg)
+}
+
+/// Where the information gain's reference log-probs come from.
+#[derive(Clone, Copy)]
+pub enum InfoGainSource<'a> {
+    /// no information gain
+    Off,
+    /// the frozen policy rescores each logged session
+    Engine(&'a Engine),
+    /// already scored while the sessions were played (per session id: before the first
+    /// assistant turn, then after each; see [`crate::demo::PlaySettings::score_reference`]);
+    /// sessions missing here get no information gain
+    Scored(&'a std::collections::HashMap<i64, Vec<f64>>),
+}
+
+/// [`annotate_sessions`] with the reference log-probs from `info_gain`.
+///
+/// # Errors
+/// Store and engine errors; a scored session whose log-probs do not match its assistant turns.
+pub fn annotate_sessions_with(
+    store: &mut Store,
+    session_ids: &[i64],
+    value_head: &Adapter,
+    producer_id: Option<i64>,
+    info_gain: InfoGainSource<'_>,
+    cfg: &AnnotateConfig,
+) -> Result<AnnotateSummary> {
     let producer = format!(
         "value-head:{}",
         producer_id
@@ -153,24 +182,43 @@ pub fn annotate_sessions(
             }
         }
         sum.turns += states.len();
-        if let (Some(engine), Some(reference)) = (
-            engine,
-            s.reference.as_deref().filter(|r| !r.trim().is_empty()),
-        ) {
-            // p_0 on the opening context, p_t after each assistant turn
-            let mut context: Vec<i32> = Vec::new();
-            let mut p = Vec::new();
-            let mut ids = Vec::new();
-            for t in &turns {
-                if t.role == Role::Assistant && p.is_empty() {
-                    p.push(engine.score_reference(context.clone(), false, reference)?);
+        let reference = s.reference.as_deref().filter(|r| !r.trim().is_empty());
+        let assistant: Vec<i64> = turns
+            .iter()
+            .filter(|t| t.role == Role::Assistant)
+            .map(|t| t.id)
+            .collect();
+        let p = match (info_gain, reference) {
+            (InfoGainSource::Engine(engine), Some(reference)) => {
+                // p_0 on the opening context, p_t after each assistant turn
+                let mut context: Vec<i32> = Vec::new();
+                let mut p = Vec::new();
+                for t in &turns {
+                    if t.role == Role::Assistant && p.is_empty() {
+                        p.push(engine.score_reference(context.clone(), false, reference)?);
+                    }
+                    context.extend_from_slice(&t.token_ids);
+                    if t.role == Role::Assistant {
+                        p.push(engine.score_reference(context.clone(), true, reference)?);
+                    }
                 }
-                context.extend_from_slice(&t.token_ids);
-                if t.role == Role::Assistant {
-                    p.push(engine.score_reference(context.clone(), true, reference)?);
-                    ids.push(t.id);
-                }
+                Some(p)
             }
+            (InfoGainSource::Scored(m), Some(_)) => match m.get(&sid) {
+                Some(p) if p.len() == assistant.len() + 1 => Some(p.clone()),
+                Some(p) => {
+                    return Err(Error::Invalid(format!(
+                        "session {sid}: {} reference log-probs for {} assistant turns",
+                        p.len(),
+                        assistant.len()
+                    )))
+                }
+                None => None,
+            },
+            _ => None,
+        };
+        if let Some(p) = p.filter(|p| p.len() > 1) {
+            let ids = assistant;
             for (id, ig) in ids
                 .iter()
                 .zip(information_gain(&p, cfg.ig_space, cfg.ig_baseline))

@@ -95,6 +95,10 @@ pub struct TokenBatch {
     pub logp_behavior: Vec<f64>,
     /// log-prob under the base model (adapter off)
     pub logp_ref: Vec<f64>,
+    /// tokens the policy term trains (empty: all); the others, e.g. digits copied from the
+    /// context, stay in their turn's ratio but carry no policy gradient and leave the
+    /// aggregation's denominators, as MIS-dropped tokens do
+    pub trainable: Vec<bool>,
 }
 
 /// What one evaluation of the surrogate measured.
@@ -181,9 +185,14 @@ pub fn clip_bounds(cfg: &ObjectiveConfig, b: &TokenBatch) -> Vec<(f64, f64, f64)
 }
 
 /// Per-token weight of the policy term: aggregation weight × TIS weight
-/// `min(exp(logp_old − logp_behavior), C)`.
+/// `min(exp(logp_old − logp_behavior), C)`, over the tokens MIS keeps that are trainable.
 pub fn policy_weights(cfg: &ObjectiveConfig, b: &TokenBatch) -> Vec<f64> {
-    aggregation_weights_masked(b, cfg.aggregation, &mis_mask(cfg, b))
+    let keep: Vec<bool> = mis_mask(cfg, b)
+        .into_iter()
+        .enumerate()
+        .map(|(k, m)| m && b.trainable.get(k).copied().unwrap_or(true))
+        .collect();
+    aggregation_weights_masked(b, cfg.aggregation, &keep)
         .into_iter()
         .enumerate()
         .map(|(k, w)| {
@@ -410,6 +419,7 @@ mod tests {
             logp_old: vec![-1.0, -1.0],
             logp_behavior: vec![-1.0, -1.0],
             logp_ref: vec![-0.9, -1.5],
+            trainable: Vec::new(),
         };
         let mut c = cfg(Granularity::Token, ClipMode::Fixed, Aggregation::TokenMean);
         c.kl_coef = 0.0;
@@ -443,6 +453,37 @@ mod tests {
         assert_eq!(policy_weights(&c, &b), vec![0.5, 0.0, 0.5]);
         c.aggregation = Aggregation::SeqMeanTokenMean;
         assert_eq!(policy_weights(&c, &b), vec![0.5, 0.0, 0.5]);
+    }
+
+    #[test]
+    fn untrainable_tokens_carry_no_policy_gradient_but_stay_in_the_turn_ratio() {
+        // one turn of three tokens, the middle one untrainable (a copied digit); turn ratio,
+        // fixed clip 0.2 / 0.28, token-mean over the two trainable tokens, advantage +1
+        let b = TokenBatch {
+            seq: vec![0, 0, 0],
+            turn: vec![0, 0, 0],
+            adv: vec![1.0; 3],
+            ig_hat: vec![0.0; 3],
+            final_turn: vec![true; 3],
+            logp_old: vec![-1.0; 3],
+            logp_behavior: vec![-1.0; 3],
+            logp_ref: vec![-1.0; 3],
+            trainable: vec![true, false, true],
+        };
+        let mut c = cfg(Granularity::Turn, ClipMode::Fixed, Aggregation::TokenMean);
+        c.eps_low = 0.2;
+        c.eps_high = 0.28;
+        c.kl_coef = 0.0;
+        c.tis_cap = None;
+        assert_eq!(policy_weights(&c, &b), vec![0.5, 0.0, 0.5]);
+        // log-ratios 0.1, 0.4, 0.1: the turn's ratio is exp(0.2), the digit's drift included
+        let (loss, g, _) = surrogate(&c, &b, &[-0.9, -0.6, -0.9]);
+        let s = 0.2f64.exp();
+        assert!((loss + s).abs() < 1e-12, "{loss}");
+        assert!((g[0] + s / 2.0).abs() < 1e-12 && g[1] == 0.0 && (g[2] + s / 2.0).abs() < 1e-12);
+        // a larger drift of the untrainable token alone clips the whole turn (exp(0.3) > 1.28)
+        let (_, g, st) = surrogate(&c, &b, &[-0.9, -0.3, -0.9]);
+        assert!(g.iter().all(|&x| x == 0.0) && st.clip_high_frac == 1.0);
     }
 
     #[test]
@@ -551,6 +592,7 @@ mod tests {
             logp_old: logp_old.clone(),
             logp_behavior: logp_old.iter().map(|x| x - 0.05).collect(),
             logp_ref: logp_old.iter().map(|x| x - 0.2).collect(),
+            trainable: Vec::new(),
         };
         for g in [Granularity::Token, Granularity::Sequence, Granularity::Turn] {
             for c in [

@@ -131,6 +131,15 @@ pub struct TrainConfig {
     /// does not explain); None: the base policy, adapter off (ALGORITHMS.md §8)
     #[serde(default)]
     pub kl_ref_adapter: Option<i64>,
+    /// RL updates give digit tokens no policy gradient (they stay in their turn's ratio and
+    /// KL). An order id is copied from the context one digit token at a time, and which digits
+    /// are right differs in every session: the output-projection LoRA cannot learn from the
+    /// reward which number to copy, it can only shift digit logits as a function of the final
+    /// hidden state, and those shifts accumulate until ids are miscopied (measured: `ACTION
+    /// status 3999999…`). Masked, the reward trains the decisions: which action, whether to ask.
+    /// Supervised updates always train every token.
+    #[serde(default)]
+    pub mask_digits: bool,
 }
 
 impl TrainConfig {
@@ -208,6 +217,7 @@ impl TrainConfig {
             threads: 2,
             keep_optimizer: false,
             kl_ref_adapter: None,
+            mask_digits: false,
         }
     }
 }
@@ -863,6 +873,9 @@ pub fn run_update(
                     mb.batch.ig_hat.push(ig_hat[i][t]);
                     mb.batch.final_turn.push(t + 1 == s.turns.len());
                     mb.batch.logp_behavior.push(turn.logp_behavior[k] as f64);
+                    mb.batch
+                        .trainable
+                        .push(sft || !cfg.mask_digits || !head.is_digit_token(turn.tokens[k]));
                 }
                 turn_counter += 1;
                 mb.tokens.extend_from_slice(&turn.tokens);
@@ -1122,6 +1135,10 @@ pub fn run_update(
     let diagnostics = json!({
         "sessions": minibatches.iter().map(|m| m.sessions.len()).sum::<usize>(),
         "tokens": total_tokens,
+        "untrainable_tokens": minibatches
+            .iter()
+            .map(|m| m.batch.trainable.iter().filter(|&&t| !t).count())
+            .sum::<usize>(),
         "steps": steps,
         "loss": loss_last,
         "policy_loss": st.policy_loss,

@@ -31,6 +31,8 @@ pub struct GgufIndex {
     pub name: Option<String>,
     /// tensor index
     pub tensors: Vec<TensorInfo>,
+    /// `tokenizer.ggml.tokens`: each token id's piece (empty when the file has none)
+    pub tokens: Vec<String>,
     /// absolute offset of the data section
     pub data_start: u64,
 }
@@ -73,6 +75,24 @@ impl<R: Read> Reader<R> {
             .read_exact(&mut b)
             .map_err(|_| self.bad("truncated GGUF header"))?;
         String::from_utf8(b).map_err(|_| self.bad("header string is not UTF-8"))
+    }
+    /// Reads an array value whose type tag has been read: its strings when it is an array of
+    /// strings, else nothing (the values are skipped).
+    fn strings(&mut self) -> Result<Vec<String>> {
+        let inner = self.u32()?;
+        let n = self.u64()?;
+        if n > MAX_COUNT {
+            return Err(self.bad("array too long"));
+        }
+        let mut out = Vec::new();
+        for _ in 0..n {
+            if inner == 8 {
+                out.push(self.string()?);
+            } else {
+                self.value(inner)?;
+            }
+        }
+        Ok(out)
     }
     /// Reads a value of GGUF type `ty`, returning it as a string when it is one.
     fn value(&mut self, ty: u32) -> Result<Option<String>> {
@@ -138,9 +158,14 @@ impl GgufIndex {
             return Err(rd.bad("implausible tensor or metadata count"));
         }
         let (mut architecture, mut name, mut alignment) = (None, None, 32u64);
+        let mut tokens = Vec::new();
         for _ in 0..n_kv {
             let key = rd.string()?;
             let ty = rd.u32()?;
+            if key == "tokenizer.ggml.tokens" && ty == 9 {
+                tokens = rd.strings()?;
+                continue;
+            }
             let v = rd.value(ty)?;
             match key.as_str() {
                 "general.architecture" => architecture = v,
@@ -178,6 +203,7 @@ impl GgufIndex {
             architecture,
             name,
             tensors,
+            tokens,
             data_start,
         })
     }

@@ -77,6 +77,15 @@ pub struct OutputHead {
     pub tensor: String,
     /// ggml type of the stored weight
     pub weight_type: u32,
+    /// per token id: its piece is a number (digits only, after the tokenizer's space marker)
+    digits: Vec<bool>,
+}
+
+/// A token piece that only writes digits: `7`, `42`, `Ġ3` (byte-level BPE's space), `▁9`
+/// (SentencePiece's).
+pub fn is_digit_piece(piece: &str) -> bool {
+    let p = piece.trim_start_matches(['Ġ', '▁', ' ']);
+    !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())
 }
 
 impl OutputHead {
@@ -103,12 +112,19 @@ impl OutputHead {
         }
         let w = Array2::from_shape_vec((n_vocab, n_embd), w)
             .map_err(|e| Error::Corrupt(e.to_string()))?;
+        let digits = idx.tokens.iter().map(|p| is_digit_piece(p)).collect();
         Ok(OutputHead {
             w,
             act_type: llama::vec_dot_type(t.ggml_type),
             tensor: t.name,
             weight_type: t.ggml_type,
+            digits,
         })
+    }
+
+    /// Whether token `id` only writes digits (false for ids the GGUF's vocabulary lacks).
+    pub fn is_digit_token(&self, id: usize) -> bool {
+        self.digits.get(id).copied().unwrap_or(false)
     }
 
     /// Width of the hidden state.
@@ -160,4 +176,19 @@ impl OutputHead {
 /// Bytes of one row of `n` values of ggml type `ty`.
 fn row_bytes(ty: u32, n: usize) -> Result<usize> {
     llama::row_size(ty, n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_digit_piece;
+
+    #[test]
+    fn digit_pieces_with_and_without_space_markers() {
+        for p in ["7", "42", "Ġ3", "▁9", " 12"] {
+            assert!(is_digit_piece(p), "{p}");
+        }
+        for p in ["", "Ġ", "x1", "1.5", "ACTION", "Ġorder", "١"] {
+            assert!(!is_digit_piece(p), "{p}");
+        }
+    }
 }
