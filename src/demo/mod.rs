@@ -419,14 +419,12 @@ pub fn play(
             for t in &gen.prompt {
                 context.extend_from_slice(&t.tokens);
             }
+            if let Some(lp) = reference_logp.as_mut().filter(|lp| lp.is_empty()) {
+                lp.push(engine.score_reference(context.clone(), false, &reference)?);
+            }
+            context.extend_from_slice(&gen.reply.tokens);
             if let Some(lp) = reference_logp.as_mut() {
-                if lp.is_empty() {
-                    lp.push(engine.score_reference(context.clone(), false, &reference)?);
-                }
-                context.extend_from_slice(&gen.reply.tokens);
                 lp.push(engine.score_reference(context.clone(), true, &reference)?);
-            } else {
-                context.extend_from_slice(&gen.reply.tokens);
             }
             if let Some(sid) = session_id {
                 let ids =
