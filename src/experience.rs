@@ -349,7 +349,9 @@ impl Library {
             .collect();
         let known = protos.len();
         let idx = leader_assign(&mut protos, &points, self.cfg.threshold);
-        let tx = store.connection_mut().transaction()?;
+        let tx = store
+            .connection_mut()
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
         let mut ids: Vec<i64> = self.clusters.iter().map(|c| c.0).collect();
         for (k, (p, n)) in protos.iter().enumerate() {
             if k < known {

@@ -140,6 +140,78 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
     }
 }
 
+/// Two engines playing side by side (`--engines 2`, one thread each): every rollout is logged,
+/// and the run is reproducible — each engine plays a fixed share of the sessions in a fixed order,
+/// so a second run from the same seed plays the same sessions word for word. More engines than
+/// threads is a clear error.
+#[test]
+fn two_engines_log_every_session_and_reproduce_a_seeded_run() {
+    let args = [
+        "--seed",
+        "3",
+        "--engines",
+        "2",
+        "--no-base-eval",
+        "--eval-every",
+        "0",
+        "--val",
+        "2",
+    ];
+    let (_d1, out, _, first) = quick_demo(&args);
+    let (_d2, _, _, second) = quick_demo(&args);
+    assert_eq!(first["config"]["engines"].as_u64(), Some(2));
+    let transcripts = |r: &serde_json::Value| -> Vec<serde_json::Value> {
+        r["evals"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["transcripts"].clone())
+            .collect()
+    };
+    assert_eq!(transcripts(&first), transcripts(&second));
+    let rollouts = |r: &serde_json::Value| -> Vec<(String, String)> {
+        r["iterations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| (i["train_reward"].to_string(), i["validation"].to_string()))
+            .collect()
+    };
+    assert_eq!(rollouts(&first), rollouts(&second));
+    let store = Store::open(&out.join("turnwise.db")).unwrap();
+    let conn = store.connection();
+    let (sessions, ended, with_outcome): (i64, i64, i64) = conn
+        .query_row(
+            "SELECT count(*), count(ended_at), count(outcome_reward) FROM sessions WHERE source = 'demo'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap();
+    assert_eq!(sessions, 8, "2 iterations × 2 scenarios × 2 rollouts");
+    assert_eq!((ended, with_outcome), (8, 8));
+
+    let dir = tempdir();
+    let o = turnwise(&dir.path().join("unused.db"))
+        .args([
+            "demo",
+            "--quick",
+            "--engines",
+            "3",
+            "--threads",
+            "2",
+            "--out",
+        ])
+        .arg(dir.path().join("run"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--engines must be between 1 and --threads"),
+        "{}",
+        show(&o)
+    );
+}
+
 /// The validation gate: a candidate is activated exactly when its greedy validation success
 /// (then reward) is at least the active adapter's; a rejected one is marked so, the next rollouts
 /// come from the unchanged adapter, and its sessions are kept for the next update.

@@ -8,7 +8,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::demo::{report, wilson, Demo, DemoConfig, ProcessSignal, Progress};
 use turnwise::learn::Algo;
-use turnwise::policy::OutputHead;
+use turnwise::policy::{Engine, OutputHead};
 
 use super::ModelArgs;
 
@@ -94,11 +94,29 @@ pub struct DemoArgs {
     /// RL gives digit tokens (copied order ids) no policy gradient, so that the reward trains
     /// the decisions and leaves number copying as the warm start taught it [default: off;
     /// measured once on seed 1: no candidate passed the validation gate]
+    /// `negative`: digits learn only from turns with a positive advantage (a success
+    /// reinforces the id it copied; a failure does not push the copied digits down)
     #[arg(long, value_enum)]
-    mask_digits: Option<OnOff>,
+    mask_digits: Option<DigitMask>,
+    /// llama.cpp engines that play sessions side by side; `--threads` is split between them
+    /// (two one-thread engines decode about 1.4× faster than one two-thread engine on two cores)
+    /// [default: 2, or 1 with `--threads 1`]
+    #[arg(long)]
+    engines: Option<usize>,
     /// The experience library (step-level retrieval of strategies and warnings): on or off
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     experience: OnOff,
+}
+
+/// Which digit tokens get no policy gradient.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DigitMask {
+    /// every digit token learns
+    Off,
+    /// no digit token learns
+    On,
+    /// digit tokens of turns with a non-positive advantage do not learn
+    Negative,
 }
 
 /// A switch.
@@ -135,7 +153,8 @@ impl DemoArgs {
         }
         c.dr_grpo = self.dr_grpo == OnOff::On;
         if let Some(m) = self.mask_digits {
-            c.mask_digits = m == OnOff::On;
+            c.mask_digits = m == DigitMask::On;
+            c.mask_negative_digits = m == DigitMask::Negative;
         }
         c.train_threads = usize::try_from(self.model.threads.max(1)).unwrap_or(1);
         if self.no_base_eval {
@@ -187,9 +206,21 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         },
         out.display()
     );
-    let engine = args.model.start(verbose)?;
-    let head = OutputHead::from_gguf(&engine.info().path)?;
-    let demo = Demo::new(&engine, &head, &db, cfg)?;
+    let threads = usize::try_from(args.model.threads).unwrap_or(0);
+    let n_engines = args.engines.unwrap_or(threads.clamp(1, 2));
+    if n_engines == 0 || n_engines > threads {
+        anyhow::bail!(
+            "--engines must be between 1 and --threads ({}): each engine needs a thread",
+            args.model.threads
+        );
+    }
+    let mut ecfg = args.model.engine_config(verbose)?;
+    ecfg.n_threads = i32::try_from(threads / n_engines).unwrap_or(1);
+    let engines = (0..n_engines)
+        .map(|_| Engine::start(ecfg.clone()))
+        .collect::<turnwise::Result<Vec<_>>>()?;
+    let head = OutputHead::from_gguf(&engines[0].info().path)?;
+    let demo = Demo::new(&engines, &head, &db, cfg)?;
     let style =
         ProgressStyle::with_template("{prefix:>16} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())

@@ -95,6 +95,9 @@ pub struct TrainArgs {
     /// Give digit tokens (copied order ids, amounts) no policy gradient in RL updates
     #[arg(long)]
     mask_digits: bool,
+    /// Give digit tokens policy gradient only in turns with a positive advantage
+    #[arg(long)]
+    mask_negative_digits: bool,
     /// k3 KL coefficient (reference: the base policy, or --kl-ref)
     #[arg(long, default_value_t = 0.0)]
     kl_coef: f64,
@@ -313,6 +316,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     cfg.objective.entropy_coef = args.entropy_coef;
     cfg.objective.mis = args.mis;
     cfg.mask_digits = args.mask_digits;
+    cfg.mask_negative_digits = args.mask_negative_digits;
     cfg.dr_grpo = args.dr_grpo;
     cfg.drop_uninformative = args.drop_uninformative;
     cfg.keep_optimizer = args.keep_optimizer;

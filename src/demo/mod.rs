@@ -10,7 +10,8 @@ pub mod report;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use serde::Serialize;
@@ -118,6 +119,13 @@ pub struct DemoConfig {
     pub kl_warm: f64,
     /// RL gives digit tokens no policy gradient ([`crate::learn::TrainConfig::mask_digits`])
     pub mask_digits: bool,
+    /// RL gives digit tokens policy gradient only in turns with a positive advantage
+    /// ([`crate::learn::TrainConfig::mask_negative_digits`])
+    pub mask_negative_digits: bool,
+    /// llama.cpp engines that play sessions side by side (each with its own context and
+    /// `threads / engines` threads): on two cores two one-thread engines decode about 1.4× the
+    /// tokens per second of one two-thread engine (`turnwise bench --threads 1` twice at once)
+    pub engines: usize,
     /// ONNX Runtime threads of the learner (keep it at llama.cpp's `--threads`: more threads
     /// than cores make both spin-wait)
     pub train_threads: usize,
@@ -152,6 +160,8 @@ impl DemoConfig {
             adam_eps: 1e-8,
             kl_warm: 0.0,
             mask_digits: false,
+            mask_negative_digits: false,
+            engines: 2,
             train_threads: 2,
         }
     }
@@ -321,6 +331,13 @@ pub fn wilson(successes: usize, n: usize) -> (f64, f64) {
     let c = (p + z * z / (2.0 * nf)) / den;
     let h = z * ((p * (1.0 - p) / nf + z * z / (4.0 * nf * nf)).sqrt()) / den;
     ((c - h).max(0.0), (c + h).min(1.0))
+}
+
+/// A session to play: the scenario, how it is played and how it is logged.
+struct Job {
+    scenario: Scenario,
+    how: PlaySettings,
+    log: Option<LogMeta>,
 }
 
 /// How one played session went.
@@ -500,7 +517,9 @@ pub fn scripted_conversation(
 
 /// The run: owns the engine handle, the run's store and the measurements.
 pub struct Demo<'a> {
-    engine: &'a Engine,
+    /// the engines sessions are played on (the first also imports the demonstrations); all
+    /// hold the same adapter
+    engines: &'a [Engine],
     head: &'a OutputHead,
     store: Store,
     db: PathBuf,
@@ -519,16 +538,21 @@ pub struct Demo<'a> {
 }
 
 impl<'a> Demo<'a> {
-    /// A run logging to `db` (a fresh file in the run directory).
+    /// A run logging to `db` (a fresh file in the run directory), playing its sessions on
+    /// `engines` (at least one; [`DemoConfig::engines`] is set to their number).
     ///
     /// # Errors
-    /// Store errors.
+    /// Store errors; no engine.
     pub fn new(
-        engine: &'a Engine,
+        engines: &'a [Engine],
         head: &'a OutputHead,
         db: &Path,
-        cfg: DemoConfig,
+        mut cfg: DemoConfig,
     ) -> Result<Self> {
+        if engines.is_empty() {
+            return Err(Error::Invalid("the demo needs at least one engine".into()));
+        }
+        cfg.engines = engines.len();
         let store = Store::open(db)?;
         let library = if cfg.experience {
             Some(Library::load(&store, LibraryConfig::default())?)
@@ -540,7 +564,7 @@ impl<'a> Demo<'a> {
             .map(|_| env::scenario(&mut rng, true))
             .collect();
         Ok(Demo {
-            engine,
+            engines,
             head,
             store,
             db: db.to_path_buf(),
@@ -553,7 +577,7 @@ impl<'a> Demo<'a> {
             next_key: 1 << 40,
             result: DemoResult {
                 config: cfg.clone(),
-                model: engine.info().name.clone(),
+                model: engines[0].info().name.clone(),
                 evals: Vec::new(),
                 iterations: Vec::new(),
                 warm_adapter: None,
@@ -578,17 +602,124 @@ impl<'a> Demo<'a> {
         self.next_key
     }
 
+    fn engine(&self) -> &'a Engine {
+        &self.engines[0]
+    }
+
+    /// Puts `adapter` on every engine.
+    fn set_adapter(&self, adapter: Option<(i64, Arc<Adapter>)>) -> Result<()> {
+        for e in self.engines {
+            e.set_adapter(adapter.clone())?;
+        }
+        Ok(())
+    }
+
+    /// Plays `jobs` and returns their sessions in the order of `jobs`, ticking `label` once per
+    /// session. With `n` engines, engine `w` plays jobs `w, w + n, …` in that order and logs into
+    /// its own connection to the run's database. The assignment is fixed, not first-free: what
+    /// an engine computes depends on what its KV cache already holds (llama.cpp's numbers depend
+    /// on batching), so a fixed order keeps a seeded run reproducible; consecutive rollouts of a
+    /// scenario still share their prefix on each engine. The first error stops the workers.
+    fn play_all(
+        &mut self,
+        jobs: Vec<Job>,
+        label: &str,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<Vec<Played>> {
+        if self.engines.len() == 1 || jobs.len() < 2 {
+            let mut out = Vec::with_capacity(jobs.len());
+            for j in jobs {
+                let lib = self.library.as_ref();
+                out.push(play(
+                    &self.engines[0],
+                    &mut self.store,
+                    &j.scenario,
+                    &j.how,
+                    j.log,
+                    lib,
+                )?);
+                progress(Progress::Tick(label));
+            }
+            return Ok(out);
+        }
+        let (n, workers) = (jobs.len(), self.engines.len());
+        let stop = AtomicBool::new(false);
+        let jobs: Vec<Mutex<Option<Job>>> = jobs.into_iter().map(|j| Mutex::new(Some(j))).collect();
+        let played: Vec<Mutex<Option<Played>>> = (0..n).map(|_| Mutex::new(None)).collect();
+        let failure: Mutex<Option<Error>> = Mutex::new(None);
+        let (db, library) = (&self.db, self.library.as_ref());
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|sc| {
+            for (w, engine) in self.engines.iter().enumerate() {
+                let tx = tx.clone();
+                let (stop, jobs, played, failure) = (&stop, &jobs, &played, &failure);
+                sc.spawn(move || {
+                    let fail = |e: Error| {
+                        stop.store(true, Ordering::SeqCst);
+                        if let Ok(mut f) = failure.lock() {
+                            f.get_or_insert(e);
+                        }
+                    };
+                    let mut store = match Store::open(db) {
+                        Ok(s) => s,
+                        Err(e) => return fail(e),
+                    };
+                    for i in (w..n).step_by(workers) {
+                        if stop.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        let Some(job) = jobs[i].lock().ok().and_then(|mut j| j.take()) else {
+                            continue;
+                        };
+                        match play(
+                            engine,
+                            &mut store,
+                            &job.scenario,
+                            &job.how,
+                            job.log,
+                            library,
+                        ) {
+                            Ok(p) => {
+                                if let Ok(mut slot) = played[i].lock() {
+                                    *slot = Some(p);
+                                }
+                                let _ = tx.send(());
+                            }
+                            Err(e) => return fail(e),
+                        }
+                    }
+                });
+            }
+            drop(tx);
+            for () in rx {
+                progress(Progress::Tick(label));
+            }
+        });
+        if let Some(e) = failure.into_inner().ok().flatten() {
+            return Err(e);
+        }
+        played
+            .into_iter()
+            .map(|m| {
+                m.into_inner()
+                    .ok()
+                    .flatten()
+                    .ok_or_else(|| Error::Invalid("a session was not played".into()))
+            })
+            .collect()
+    }
+
     fn activate(&mut self, id: i64) -> Result<()> {
         let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, id))?);
         self.store.activate_adapter(id)?;
-        self.engine.set_adapter(Some((id, ad.clone())))?;
+        self.set_adapter(Some((id, ad.clone())))?;
         self.active = Some((id, ad));
         self.on_policy = 0;
         Ok(())
     }
 
-    /// One greedy, unlogged session of `scenario` with the engine's current adapter.
-    fn play_greedy(&mut self, scenario: &Scenario) -> Result<Played> {
+    /// A greedy, unlogged session of `scenario` with the engines' current adapter.
+    fn greedy_job(&mut self, scenario: &Scenario) -> Job {
         let how = PlaySettings {
             patience: self.cfg.patience,
             params: SamplerParams {
@@ -601,21 +732,18 @@ impl<'a> Demo<'a> {
             key: self.key(),
             score_reference: false,
         };
-        play(
-            self.engine,
-            &mut self.store,
-            scenario,
-            &how,
-            None,
-            self.library.as_ref(),
-        )
+        Job {
+            scenario: scenario.clone(),
+            how,
+            log: None,
+        }
     }
 
-    /// Greedy (success rate, mean reward) of the engine's current adapter on `scenarios`.
+    /// Greedy (success rate, mean reward) of the engines' current adapter on `scenarios`.
     fn validate(&mut self, scenarios: &[Scenario]) -> Result<(f64, f64)> {
         let (mut succ, mut rew) = (0.0, 0.0);
-        for s in scenarios {
-            let p = self.play_greedy(s)?;
+        let jobs = scenarios.iter().map(|s| self.greedy_job(s)).collect();
+        for p in self.play_all(jobs, "validation", &mut |_| {})? {
             succ += f64::from(u8::from(p.desk.success()));
             rew += p.desk.reward();
         }
@@ -634,9 +762,9 @@ impl<'a> Demo<'a> {
             .collect();
         let current = self.validate(&scenarios)?;
         let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, candidate))?);
-        self.engine.set_adapter(Some((candidate, ad)))?;
+        self.set_adapter(Some((candidate, ad)))?;
         let cand = self.validate(&scenarios);
-        self.engine.set_adapter(self.active.clone())?;
+        self.set_adapter(self.active.clone())?;
         Ok([cand?, current])
     }
 
@@ -673,8 +801,8 @@ impl<'a> Demo<'a> {
         };
         let (mut turns, mut malformed) = (0usize, 0usize);
         let scenarios: Vec<Scenario> = self.held_out.iter().take(n).cloned().collect();
-        for s in scenarios {
-            let p = self.play_greedy(&s)?;
+        let jobs = scenarios.iter().map(|s| self.greedy_job(s)).collect();
+        for p in self.play_all(jobs, label, progress)? {
             ev.success.push(p.desk.success());
             ev.reward.push(p.desk.reward());
             turns += p.desk.agent_turns;
@@ -685,7 +813,6 @@ impl<'a> Demo<'a> {
                     .map(|(r, t)| (r.as_str().to_string(), t.clone()))
                     .collect(),
             );
-            progress(Progress::Tick(label));
         }
         let n = n.max(1) as f64;
         ev.mean_turns = turns as f64 / n;
@@ -715,7 +842,7 @@ impl<'a> Demo<'a> {
         for _ in 0..self.cfg.demos {
             let s = env::scenario(&mut rng, false);
             let c = expert_conversation(&s, self.cfg.patience);
-            import_conversation(self.engine, &mut self.store, &c)?;
+            import_conversation(self.engine(), &mut self.store, &c)?;
             progress(Progress::Tick("demonstrations"));
         }
         progress(Progress::Done("demonstrations"));
@@ -779,7 +906,7 @@ impl<'a> Demo<'a> {
         let uses_process = matches!(self.cfg.algo, Algo::A2tgpo | Algo::Atpo)
             && self.cfg.process != ProcessSignal::None;
         let score_reference = uses_process && self.cfg.process == ProcessSignal::InfoGain;
-        let mut scored = HashMap::new();
+        let mut jobs = Vec::with_capacity(n);
         for k in 0..self.cfg.scenarios_per_iter {
             let s = env::scenario(&mut rng, false);
             for g in 0..self.cfg.group_size {
@@ -796,33 +923,32 @@ impl<'a> Demo<'a> {
                     key,
                     score_reference,
                 };
-                let played = play(
-                    self.engine,
-                    &mut self.store,
-                    &s,
-                    &how,
-                    Some(log),
-                    self.library.as_ref(),
-                )?;
-                succ += usize::from(played.desk.success());
-                rew += played.desk.reward();
-                if let (Some(id), Some(lp)) = (played.session_id, played.reference_logp) {
-                    scored.insert(id, lp);
-                }
-                ids.extend(played.session_id);
-                progress(Progress::Tick(&label));
+                jobs.push(Job {
+                    scenario: s.clone(),
+                    how,
+                    log: Some(log),
+                });
             }
+        }
+        let mut scored = HashMap::new();
+        for played in self.play_all(jobs, &label, progress)? {
+            succ += usize::from(played.desk.success());
+            rew += played.desk.reward();
+            if let (Some(id), Some(lp)) = (played.session_id, played.reference_logp) {
+                scored.insert(id, lp);
+            }
+            ids.extend(played.session_id);
         }
         if uses_process {
             let value_head = match &self.active {
                 Some((_, a)) => a.clone(),
                 None => Arc::new(Adapter::fresh(
-                    self.engine.info().n_embd,
-                    self.engine.info().n_vocab,
+                    self.engine().info().n_embd,
+                    self.engine().info().n_vocab,
                     8,
                     16.0,
                     self.cfg.seed,
-                    &self.engine.info().name,
+                    &self.engine().info().name,
                 )),
             };
             let info_gain = if score_reference {
@@ -848,6 +974,7 @@ impl<'a> Demo<'a> {
         cfg.dr_grpo = self.cfg.dr_grpo;
         cfg.adam_eps = self.cfg.adam_eps;
         cfg.mask_digits = self.cfg.mask_digits;
+        cfg.mask_negative_digits = self.cfg.mask_negative_digits;
         if self.cfg.kl_warm > 0.0 {
             cfg.objective.kl_coef = self.cfg.kl_warm;
             cfg.kl_ref_adapter = self.result.warm_adapter;

@@ -211,16 +211,23 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         s,
         "Model `{}`; {} held-out scenarios (templates never used in training), greedy replies, at most {} agent replies of {} tokens. \
          Warm start: {} scripted-expert demonstrations, {} epochs of supervised fine-tuning. \
-         RL: {} scenarios × {} rollouts per iteration at temperature {}, lr {}, {} epochs, process signal `{:?}`, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}.\n",
+         RL: {} scenarios × {} rollouts per iteration at temperature {}, lr {}, {} epochs, process signal `{:?}`, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
         r.model, c.eval_scenarios, c.patience, c.max_tokens, c.demos, c.warm_epochs,
         c.scenarios_per_iter, c.group_size, c.temperature, c.lr, c.epochs, c.process,
-        if c.mask_digits { "masked from the policy gradient" } else { "trained" }, c.gate_kl,
+        if c.mask_digits {
+            "masked from the policy gradient"
+        } else if c.mask_negative_digits {
+            "trained only in turns with a positive advantage"
+        } else {
+            "trained"
+        }, c.gate_kl,
         if c.val_scenarios > 0 {
             format!(" and greedy success ≥ the active adapter's on {} fresh training scenarios", c.val_scenarios)
         } else {
             String::new()
         },
-        if c.experience { "on" } else { "off" }
+        if c.experience { "on" } else { "off" },
+        c.engines
     );
     let (d, lo, hi) = r.rl_gain;
     let _ = writeln!(

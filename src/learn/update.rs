@@ -140,6 +140,12 @@ pub struct TrainConfig {
     /// Supervised updates always train every token.
     #[serde(default)]
     pub mask_digits: bool,
+    /// RL updates give digit tokens policy gradient only in turns with a positive advantage:
+    /// a success reinforces copying the id it copied, a failure does not push the digits it
+    /// copied down (which spreads their mass over the other digits; measured: `ACTION cancel
+    /// 1777777…`). The turn's other tokens learn from both signs. Ignored with `mask_digits`.
+    #[serde(default)]
+    pub mask_negative_digits: bool,
 }
 
 impl TrainConfig {
@@ -218,8 +224,16 @@ impl TrainConfig {
             keep_optimizer: false,
             kl_ref_adapter: None,
             mask_digits: false,
+            mask_negative_digits: false,
         }
     }
+}
+
+/// Whether an RL token with turn advantage `adv` gets policy gradient under the digit masks
+/// (`is_digit` is asked only when a mask applies).
+fn token_learns(cfg: &TrainConfig, adv: f64, is_digit: impl FnOnce() -> bool) -> bool {
+    let masked = cfg.mask_digits || (cfg.mask_negative_digits && adv <= 0.0);
+    !masked || !is_digit()
 }
 
 fn default_adam_eps() -> f64 {
@@ -869,13 +883,14 @@ pub fn run_update(
                 for k in 0..turn.tokens.len() {
                     mb.batch.seq.push(si);
                     mb.batch.turn.push(turn_counter);
-                    mb.batch.adv.push(if sft { 1.0 } else { turn_adv[i][t] });
+                    let adv = if sft { 1.0 } else { turn_adv[i][t] };
+                    mb.batch.adv.push(adv);
                     mb.batch.ig_hat.push(ig_hat[i][t]);
                     mb.batch.final_turn.push(t + 1 == s.turns.len());
                     mb.batch.logp_behavior.push(turn.logp_behavior[k] as f64);
-                    mb.batch
-                        .trainable
-                        .push(sft || !cfg.mask_digits || !head.is_digit_token(turn.tokens[k]));
+                    mb.batch.trainable.push(
+                        sft || token_learns(cfg, adv, || head.is_digit_token(turn.tokens[k])),
+                    );
                 }
                 turn_counter += 1;
                 mb.tokens.extend_from_slice(&turn.tokens);
@@ -1231,6 +1246,30 @@ pub fn run_update(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn digit_masks_decide_which_tokens_learn() {
+        let mut cfg = TrainConfig::preset(Algo::A2tgpo);
+        // (advantage, is a digit) → learns, for off / negative / all
+        let cases = [
+            (0.5, true),
+            (-0.5, true),
+            (0.0, true),
+            (-0.5, false),
+            (0.5, false),
+        ];
+        let learns = |cfg: &TrainConfig| -> Vec<bool> {
+            cases
+                .iter()
+                .map(|&(a, d)| token_learns(cfg, a, || d))
+                .collect()
+        };
+        assert_eq!(learns(&cfg), [true, true, true, true, true]);
+        cfg.mask_negative_digits = true;
+        assert_eq!(learns(&cfg), [true, false, false, true, true]);
+        cfg.mask_digits = true;
+        assert_eq!(learns(&cfg), [false, false, false, true, true]);
+    }
 
     /// First AdamW step by hand: m̂ = g and v̂ = g², so a parameter moves by lr·g / (|g| + ε) —
     /// the full `lr` for any gradient far above ε, however small, and little below it.

@@ -9,7 +9,7 @@ mod blob;
 
 use std::path::Path;
 
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use serde::{Deserialize, Serialize};
 
 pub use blob::{
@@ -457,7 +457,7 @@ impl Store {
         s: &NewSession,
         turns: &[NewTurn],
     ) -> Result<(i64, Vec<i64>)> {
-        let tx = self.conn.transaction()?;
+        let tx = self.write()?;
         let id = insert_session(&tx, s)?;
         let ids = insert_turns(&tx, id, turns)?;
         tx.commit()?;
@@ -469,7 +469,7 @@ impl Store {
     /// # Errors
     /// [`Error::NotFound`] for an unknown session; SQLite errors (nothing is written then).
     pub fn append_turns(&mut self, session_id: i64, turns: &[NewTurn]) -> Result<Vec<i64>> {
-        let tx = self.conn.transaction()?;
+        let tx = self.write()?;
         let exists: Option<i64> = tx
             .query_row("SELECT id FROM sessions WHERE id = ?1", [session_id], |r| {
                 r.get(0)
@@ -510,7 +510,7 @@ impl Store {
         value: Option<f64>,
         note: Option<&str>,
     ) -> Result<()> {
-        let tx = self.conn.transaction()?;
+        let tx = self.write()?;
         let n = tx.execute(
             "UPDATE sessions SET outcome_reward = CASE WHEN ?2 = 'outcome' THEN ?3 ELSE outcome_reward END WHERE id = ?1",
             params![session_id, kind, value],
@@ -546,7 +546,7 @@ impl Store {
     /// # Errors
     /// SQLite errors.
     pub fn mark_learned(&mut self, session_ids: &[i64]) -> Result<()> {
-        let tx = self.conn.transaction()?;
+        let tx = self.write()?;
         {
             let mut st = tx.prepare(
                 "UPDATE sessions SET learned_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE id = ?1",
@@ -629,7 +629,7 @@ impl Store {
                 bad.kind, bad.turn_id
             )));
         }
-        let tx = self.conn.transaction()?;
+        let tx = self.write()?;
         {
             let mut st = tx.prepare(
                 "INSERT INTO annotations (turn_id, kind, value, producer) VALUES (?1, ?2, ?3, ?4)",
@@ -713,7 +713,7 @@ impl Store {
         clusters: &[(Option<i64>, Vec<f32>, i64)],
         assign: &[(i64, usize)],
     ) -> Result<Vec<i64>> {
-        let tx = self.conn.transaction()?;
+        let tx = self.write()?;
         let mut ids = Vec::with_capacity(clusters.len());
         for (id, proto, n) in clusters {
             match id {
@@ -807,7 +807,7 @@ impl Store {
     /// # Errors
     /// SQLite errors.
     pub fn gc_features(&mut self, older_than_days: f64, only_learned: bool) -> Result<usize> {
-        let tx = self.conn.transaction()?;
+        let tx = self.write()?;
         let n = tx.execute(
             "DELETE FROM features WHERE turn_id IN (
                  SELECT t.id FROM turns t JOIN sessions s ON s.id = t.session_id
@@ -949,7 +949,7 @@ impl Store {
     /// # Errors
     /// [`Error::NotFound`]; [`Error::Invalid`] for an adapter in another state.
     pub fn activate_adapter(&mut self, id: i64) -> Result<()> {
-        let tx = self.conn.transaction()?;
+        let tx = self.write()?;
         let status: Option<String> = tx
             .query_row("SELECT status FROM adapters WHERE id = ?1", [id], |r| {
                 r.get(0)
@@ -992,7 +992,7 @@ impl Store {
     /// # Errors
     /// [`Error::Invalid`] when no adapter is active.
     pub fn rollback_adapter(&mut self) -> Result<Option<i64>> {
-        let tx = self.conn.transaction()?;
+        let tx = self.write()?;
         let (current, previous): (i64, Option<i64>) = tx
             .query_row(
                 "SELECT id, previous_id FROM adapters WHERE status = 'active' ORDER BY activated_at DESC LIMIT 1",
@@ -1067,6 +1067,14 @@ impl Store {
         Ok(v)
     }
 
+    /// A write transaction that takes SQLite's write lock when it begins (`BEGIN IMMEDIATE`), so
+    /// that a second connection writing at the same time waits for it (the busy timeout) instead
+    /// of failing with `database is locked` when a deferred transaction upgrades its read lock.
+    fn write(&mut self) -> rusqlite::Result<rusqlite::Transaction<'_>> {
+        self.conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+    }
+
     /// The underlying connection, for read-only ad-hoc queries in tests and reports.
     pub fn connection(&self) -> &Connection {
         &self.conn
@@ -1080,18 +1088,24 @@ impl Store {
 }
 
 fn migrate(conn: &mut Connection) -> Result<()> {
-    let current: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
     for (i, (name, sql)) in MIGRATIONS.iter().enumerate() {
         let version = i as i64 + 1;
-        if version <= current {
-            continue;
-        }
         let fail = |e: rusqlite::Error| Error::Migration {
             version,
             name: (*name).to_string(),
             reason: e.to_string(),
         };
-        let tx = conn.transaction().map_err(fail)?;
+        // the version is read under the write lock: two processes opening a new database at
+        // once apply each migration once
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(fail)?;
+        let current: i64 = tx
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .map_err(fail)?;
+        if version <= current {
+            continue;
+        }
         tx.execute_batch(sql).map_err(fail)?;
         tx.pragma_update(None, "user_version", version)
             .map_err(fail)?;
@@ -1285,6 +1299,39 @@ mod tests {
         let st = s.storage_stats().unwrap();
         assert_eq!((st.sampled_tokens, st.tokens_with_features), (2, 2));
         assert_eq!(st.feature_bytes, 2 * 4 * 2);
+    }
+
+    /// Two connections (the demo's engines log side by side) open a new file at once and append
+    /// turns concurrently: every write waits for the other's lock instead of failing with
+    /// `database is locked`, and the migrations run once.
+    #[test]
+    fn two_connections_write_one_file_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shared.db");
+        let write = |_| {
+            let mut s = Store::open(&path).unwrap();
+            for k in 0..25 {
+                let sid = s.create_session(&NewSession::new(Source::Demo)).unwrap();
+                s.append_turns(sid, &[NewTurn::message(Role::User, "hi", vec![k], 0)])
+                    .unwrap();
+                s.append_turns(sid, &[assistant(vec![7, 8], 1)]).unwrap();
+                s.add_feedback(sid, None, "outcome", Some(1.0), None)
+                    .unwrap();
+            }
+        };
+        std::thread::scope(|sc| {
+            let workers: Vec<_> = (0..2).map(|w| sc.spawn(move || write(w))).collect();
+            for w in workers {
+                w.join().unwrap();
+            }
+        });
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.schema_version().unwrap(), MIGRATIONS.len() as i64);
+        let n: i64 = s
+            .connection()
+            .query_row("SELECT count(*) FROM turns", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(n, 2 * 25 * 2);
     }
 
     #[test]
