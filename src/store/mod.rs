@@ -20,6 +20,9 @@ pub use blob::{
 use crate::error::{Error, Result};
 use crate::policy::{FeatureDtype, Role, SamplerParams};
 
+/// How long a connection waits for another's write lock before `database is locked`.
+const BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The migrations, in order. Each is applied once, in its own transaction.
 pub const MIGRATIONS: &[(&str, &str)] = &[
     (
@@ -409,9 +412,29 @@ impl Store {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         }
-        let conn = Connection::open(path)?;
-        conn.pragma_update(None, "journal_mode", "WAL")?;
-        Self::setup(conn)
+        // Switching a new file to WAL needs an exclusive lock, and SQLite answers `database is
+        // locked` without calling the busy handler where waiting could deadlock — as when
+        // another connection opens the same new file at that moment. Opening is retried then,
+        // for at most the busy timeout.
+        let start = std::time::Instant::now();
+        loop {
+            let once = Connection::open(path)
+                .map_err(Error::from)
+                .and_then(|conn| {
+                    conn.busy_timeout(BUSY_TIMEOUT)?;
+                    conn.pragma_update(None, "journal_mode", "WAL")?;
+                    Self::setup(conn)
+                });
+            match once {
+                Err(Error::Sqlite(rusqlite::Error::SqliteFailure(e, _)))
+                    if e.code == rusqlite::ErrorCode::DatabaseBusy
+                        && start.elapsed() < BUSY_TIMEOUT =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                other => return other,
+            }
+        }
     }
 
     /// A private in-memory database (tests).
@@ -425,7 +448,7 @@ impl Store {
     fn setup(mut conn: Connection) -> Result<Self> {
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
-        conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
         migrate(&mut conn)?;
         Ok(Store { conn })
     }
