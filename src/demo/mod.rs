@@ -11,7 +11,7 @@ pub mod report;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -642,70 +642,65 @@ impl<'a> Demo<'a> {
             }
             return Ok(out);
         }
-        let (n, workers) = (jobs.len(), self.engines.len());
+        // engine w's share: jobs w, w + n, …, with their positions
+        let workers = self.engines.len();
+        let mut shares: Vec<Vec<(usize, Job)>> = (0..workers).map(|_| Vec::new()).collect();
+        for (i, job) in jobs.into_iter().enumerate() {
+            shares[i % workers].push((i, job));
+        }
+        let mut out: Vec<Option<Played>> = shares.iter().flatten().map(|_| None).collect();
         let stop = AtomicBool::new(false);
-        let jobs: Vec<Mutex<Option<Job>>> = jobs.into_iter().map(|j| Mutex::new(Some(j))).collect();
-        let played: Vec<Mutex<Option<Played>>> = (0..n).map(|_| Mutex::new(None)).collect();
-        let failure: Mutex<Option<Error>> = Mutex::new(None);
         let (db, library) = (&self.db, self.library.as_ref());
         let (tx, rx) = std::sync::mpsc::channel::<()>();
-        std::thread::scope(|sc| {
-            for (w, engine) in self.engines.iter().enumerate() {
-                let tx = tx.clone();
-                let (stop, jobs, played, failure) = (&stop, &jobs, &played, &failure);
-                sc.spawn(move || {
-                    let fail = |e: Error| {
-                        stop.store(true, Ordering::SeqCst);
-                        if let Ok(mut f) = failure.lock() {
-                            f.get_or_insert(e);
-                        }
-                    };
-                    let mut store = match Store::open(db) {
-                        Ok(s) => s,
-                        Err(e) => return fail(e),
-                    };
-                    for i in (w..n).step_by(workers) {
-                        if stop.load(Ordering::SeqCst) {
-                            break;
-                        }
-                        let Some(job) = jobs[i].lock().ok().and_then(|mut j| j.take()) else {
-                            continue;
-                        };
-                        match play(
-                            engine,
-                            &mut store,
-                            &job.scenario,
-                            &job.how,
-                            job.log,
-                            library,
-                        ) {
-                            Ok(p) => {
-                                if let Ok(mut slot) = played[i].lock() {
-                                    *slot = Some(p);
+        let results = std::thread::scope(|sc| {
+            let handles: Vec<_> = self
+                .engines
+                .iter()
+                .zip(shares)
+                .map(|(engine, share)| {
+                    let (tx, stop) = (tx.clone(), &stop);
+                    sc.spawn(move || -> Result<Vec<(usize, Played)>> {
+                        let run = || {
+                            let mut store = Store::open(db)?;
+                            let mut done = Vec::with_capacity(share.len());
+                            for (i, job) in share {
+                                if stop.load(Ordering::SeqCst) {
+                                    break;
                                 }
+                                let Job { scenario, how, log } = job;
+                                let p = play(engine, &mut store, &scenario, &how, log, library)?;
+                                done.push((i, p));
                                 let _ = tx.send(());
                             }
-                            Err(e) => return fail(e),
+                            Ok(done)
+                        };
+                        let r = run();
+                        if r.is_err() {
+                            stop.store(true, Ordering::SeqCst);
                         }
-                    }
-                });
-            }
+                        r
+                    })
+                })
+                .collect();
             drop(tx);
             for () in rx {
                 progress(Progress::Tick(label));
             }
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Invalid("a session worker panicked".into())))
+                })
+                .collect::<Vec<_>>()
         });
-        if let Some(e) = failure.into_inner().ok().flatten() {
-            return Err(e);
+        for r in results {
+            for (i, p) in r? {
+                out[i] = Some(p);
+            }
         }
-        played
-            .into_iter()
-            .map(|m| {
-                m.into_inner()
-                    .ok()
-                    .flatten()
-                    .ok_or_else(|| Error::Invalid("a session was not played".into()))
-            })
+        out.into_iter()
+            .map(|p| p.ok_or_else(|| Error::Invalid("a session was not played".into())))
             .collect()
     }
 
