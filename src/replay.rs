@@ -193,10 +193,30 @@ pub fn import_conversation(
     store: &mut Store,
     c: &Conversation,
 ) -> Result<Option<i64>> {
-    let hash = content_hash(c);
-    if store.session_by_hash(&hash)?.is_some() {
+    if store.session_by_hash(&content_hash(c))?.is_some() {
         return Ok(None);
     }
+    let scored = rescore_conversation(engine, c)?;
+    store_rescored(store, &scored)
+}
+
+/// A conversation tokenised and rescored by an engine, ready to be stored
+/// ([`store_rescored`]); the engine and the store are separate steps so that several engines
+/// can rescore while the conversations are still stored in a fixed order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RescoredConversation {
+    session: NewSession,
+    rows: Vec<NewTurn>,
+    outcome: Option<f64>,
+}
+
+/// Tokenises `c` with the engine's chat template and rescores its assistant turns in one
+/// prefill (log-probs and hidden states of every assistant token).
+///
+/// # Errors
+/// Engine errors (context overflow among them); a chat template that is not append-only.
+pub fn rescore_conversation(engine: &Engine, c: &Conversation) -> Result<RescoredConversation> {
+    let hash = content_hash(c);
     // a key no live session uses; the engine forgets it at the end
     let key = u64::MAX - (u64::from_str_radix(&hash[..12], 16).unwrap_or(0));
     let result = (|| {
@@ -260,8 +280,26 @@ pub fn import_conversation(
         content_hash: Some(hash),
         metadata: c.metadata.clone(),
     };
-    let (id, _) = store.create_session_with_turns(&session, &rows)?;
-    if let Some(o) = c.outcome {
+    Ok(RescoredConversation {
+        session,
+        rows,
+        outcome: c.outcome,
+    })
+}
+
+/// Stores a rescored conversation as an ended `import` session with its outcome, in one
+/// transaction per write. Returns `None` for a duplicate (same content hash).
+///
+/// # Errors
+/// Store errors.
+pub fn store_rescored(store: &mut Store, r: &RescoredConversation) -> Result<Option<i64>> {
+    if let Some(hash) = &r.session.content_hash {
+        if store.session_by_hash(hash)?.is_some() {
+            return Ok(None);
+        }
+    }
+    let (id, _) = store.create_session_with_turns(&r.session, &r.rows)?;
+    if let Some(o) = r.outcome {
         store.add_feedback(id, None, "outcome", Some(o), Some("import"))?;
     }
     store.end_session(id)?;

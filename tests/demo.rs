@@ -408,3 +408,37 @@ fn information_gain_scored_while_playing_matches_rescoring_the_log() {
     let e = annotate_sessions_with(&mut store, &ids[..1], &head, None, src, &cfg).unwrap_err();
     assert!(e.to_string().contains("reference log-probs"), "{e}");
 }
+
+/// The demo rescores its demonstrations on several one-thread engines and stores them in the
+/// order they were drawn: a conversation's rescoring (tokens, log-probs, hidden states) must
+/// not depend on which engine did it or on what that engine rescored before.
+#[test]
+fn rescoring_does_not_depend_on_the_engine_or_its_history() {
+    use turnwise::demo::expert_conversation;
+    use turnwise::env;
+    use turnwise::policy::sampler::Rng;
+    use turnwise::policy::{Engine, EngineConfig};
+    use turnwise::replay::rescore_conversation;
+
+    let mut rng = Rng::new(9);
+    let convs: Vec<_> = (0..4)
+        .map(|_| expert_conversation(&env::scenario(&mut rng, false), 5))
+        .collect();
+    let rescore_in = |order: &[usize]| {
+        let mut cfg = EngineConfig::new(crate::common::model_path());
+        cfg.n_threads = 1;
+        let engine = Engine::start(cfg).unwrap();
+        let mut out = vec![None; convs.len()];
+        for &i in order {
+            out[i] = Some(rescore_conversation(&engine, &convs[i]).unwrap());
+        }
+        out
+    };
+    let first = rescore_in(&[0, 1, 2, 3]);
+    let second = rescore_in(&[3, 1, 0, 2]);
+    assert!(first.iter().all(Option::is_some));
+    assert!(
+        first == second,
+        "rescoring differs between engines or orders"
+    );
+}

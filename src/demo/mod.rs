@@ -25,7 +25,7 @@ use crate::learn::annotate::{annotate_sessions_with, AnnotateConfig, InfoGainSou
 use crate::learn::{run_update, Algo, Selection, TrainConfig};
 use crate::policy::sampler::Rng;
 use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams};
-use crate::replay::{import_conversation, Conversation};
+use crate::replay::{rescore_conversation, store_rescored, Conversation};
 use crate::session::turns_from_generation;
 use crate::store::{NewSession, Source, Store};
 
@@ -474,6 +474,77 @@ pub fn play(
     })
 }
 
+/// Runs `work` on every job and returns the results in the order of `jobs`, calling `tick`
+/// after each. With `n` engines, engine `w` takes jobs `w, w + n, …` in that order on its own
+/// thread, with its own `init()` state (a store connection). The assignment is fixed, not
+/// first-free: what an engine computes depends on what its KV cache already holds (llama.cpp's
+/// numbers depend on batching), so a fixed order keeps a seeded run reproducible. The first
+/// error stops the other workers and is returned.
+fn on_engines<J: Send, R: Send, S>(
+    engines: &[Engine],
+    jobs: Vec<J>,
+    init: impl Fn() -> Result<S> + Sync,
+    work: impl Fn(&Engine, &mut S, J) -> Result<R> + Sync,
+    tick: &mut dyn FnMut(),
+) -> Result<Vec<R>> {
+    let workers = engines.len().max(1);
+    let mut shares: Vec<Vec<(usize, J)>> = (0..workers).map(|_| Vec::new()).collect();
+    for (i, job) in jobs.into_iter().enumerate() {
+        shares[i % workers].push((i, job));
+    }
+    let mut out: Vec<Option<R>> = shares.iter().flatten().map(|_| None).collect();
+    let stop = AtomicBool::new(false);
+    let (init, work) = (&init, &work);
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let results = std::thread::scope(|sc| {
+        let handles: Vec<_> = engines
+            .iter()
+            .zip(shares)
+            .map(|(engine, share)| {
+                let (tx, stop) = (tx.clone(), &stop);
+                sc.spawn(move || -> Result<Vec<(usize, R)>> {
+                    let run = || {
+                        let mut state = init()?;
+                        let mut done = Vec::with_capacity(share.len());
+                        for (i, job) in share {
+                            if stop.load(Ordering::SeqCst) {
+                                break;
+                            }
+                            done.push((i, work(engine, &mut state, job)?));
+                            let _ = tx.send(());
+                        }
+                        Ok(done)
+                    };
+                    let r = run();
+                    if r.is_err() {
+                        stop.store(true, Ordering::SeqCst);
+                    }
+                    r
+                })
+            })
+            .collect();
+        drop(tx);
+        for () in rx {
+            tick();
+        }
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Invalid("an engine worker panicked".into())))
+            })
+            .collect::<Vec<_>>()
+    });
+    for r in results {
+        for (i, v) in r? {
+            out[i] = Some(v);
+        }
+    }
+    out.into_iter()
+        .map(|v| v.ok_or_else(|| Error::Invalid("a job was not run".into())))
+        .collect()
+}
+
 /// The scripted expert's session of `scenario` as a conversation to import.
 pub fn expert_conversation(scenario: &Scenario, patience: usize) -> Conversation {
     let mut c = scripted_conversation(scenario, patience.max(6), env::expert_reply);
@@ -517,8 +588,8 @@ pub fn scripted_conversation(
 
 /// The run: owns the engine handle, the run's store and the measurements.
 pub struct Demo<'a> {
-    /// the engines sessions are played on (the first also imports the demonstrations); all
-    /// hold the same adapter
+    /// the engines sessions are played and demonstrations rescored on; all hold the same
+    /// adapter
     engines: &'a [Engine],
     head: &'a OutputHead,
     store: Store,
@@ -615,11 +686,9 @@ impl<'a> Demo<'a> {
     }
 
     /// Plays `jobs` and returns their sessions in the order of `jobs`, ticking `label` once per
-    /// session. With `n` engines, engine `w` plays jobs `w, w + n, …` in that order and logs into
-    /// its own connection to the run's database. The assignment is fixed, not first-free: what
-    /// an engine computes depends on what its KV cache already holds (llama.cpp's numbers depend
-    /// on batching), so a fixed order keeps a seeded run reproducible; consecutive rollouts of a
-    /// scenario still share their prefix on each engine. The first error stops the workers.
+    /// session ([`on_engines`]; with several engines each logs through its own connection to the
+    /// run's database). Consecutive rollouts of a scenario still share their prefix on each
+    /// engine.
     fn play_all(
         &mut self,
         jobs: Vec<Job>,
@@ -642,66 +711,14 @@ impl<'a> Demo<'a> {
             }
             return Ok(out);
         }
-        // engine w's share: jobs w, w + n, …, with their positions
-        let workers = self.engines.len();
-        let mut shares: Vec<Vec<(usize, Job)>> = (0..workers).map(|_| Vec::new()).collect();
-        for (i, job) in jobs.into_iter().enumerate() {
-            shares[i % workers].push((i, job));
-        }
-        let mut out: Vec<Option<Played>> = shares.iter().flatten().map(|_| None).collect();
-        let stop = AtomicBool::new(false);
         let (db, library) = (&self.db, self.library.as_ref());
-        let (tx, rx) = std::sync::mpsc::channel::<()>();
-        let results = std::thread::scope(|sc| {
-            let handles: Vec<_> = self
-                .engines
-                .iter()
-                .zip(shares)
-                .map(|(engine, share)| {
-                    let (tx, stop) = (tx.clone(), &stop);
-                    sc.spawn(move || -> Result<Vec<(usize, Played)>> {
-                        let run = || {
-                            let mut store = Store::open(db)?;
-                            let mut done = Vec::with_capacity(share.len());
-                            for (i, job) in share {
-                                if stop.load(Ordering::SeqCst) {
-                                    break;
-                                }
-                                let Job { scenario, how, log } = job;
-                                let p = play(engine, &mut store, &scenario, &how, log, library)?;
-                                done.push((i, p));
-                                let _ = tx.send(());
-                            }
-                            Ok(done)
-                        };
-                        let r = run();
-                        if r.is_err() {
-                            stop.store(true, Ordering::SeqCst);
-                        }
-                        r
-                    })
-                })
-                .collect();
-            drop(tx);
-            for () in rx {
-                progress(Progress::Tick(label));
-            }
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(Error::Invalid("a session worker panicked".into())))
-                })
-                .collect::<Vec<_>>()
-        });
-        for r in results {
-            for (i, p) in r? {
-                out[i] = Some(p);
-            }
-        }
-        out.into_iter()
-            .map(|p| p.ok_or_else(|| Error::Invalid("a session was not played".into())))
-            .collect()
+        on_engines(
+            self.engines,
+            jobs,
+            || Store::open(db),
+            |engine, store, job| play(engine, store, &job.scenario, &job.how, job.log, library),
+            &mut || progress(Progress::Tick(label)),
+        )
     }
 
     fn activate(&mut self, id: i64) -> Result<()> {
@@ -834,11 +851,20 @@ impl<'a> Demo<'a> {
         let t = Instant::now();
         let mut rng = Rng::new(self.cfg.seed ^ 0x5741_524d);
         progress(Progress::Phase("demonstrations", self.cfg.demos));
-        for _ in 0..self.cfg.demos {
-            let s = env::scenario(&mut rng, false);
-            let c = expert_conversation(&s, self.cfg.patience);
-            import_conversation(self.engine(), &mut self.store, &c)?;
-            progress(Progress::Tick("demonstrations"));
+        let demos: Vec<Conversation> = (0..self.cfg.demos)
+            .map(|_| expert_conversation(&env::scenario(&mut rng, false), self.cfg.patience))
+            .collect();
+        // rescored on every engine, stored in the order they were drawn (the warm start's
+        // batches follow session order)
+        let rescored = on_engines(
+            self.engines,
+            demos,
+            || Ok(()),
+            |engine, (), c| rescore_conversation(engine, &c),
+            &mut || progress(Progress::Tick("demonstrations")),
+        )?;
+        for r in &rescored {
+            store_rescored(&mut self.store, r)?;
         }
         progress(Progress::Done("demonstrations"));
         self.phase("demonstrations", t);

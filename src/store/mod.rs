@@ -155,7 +155,7 @@ impl Behavior {
 }
 
 /// A session to create.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct NewSession {
     /// origin
     pub source: Source,
@@ -235,7 +235,7 @@ impl Features {
 }
 
 /// A turn to append.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct NewTurn {
     /// author
     pub role: Role,
