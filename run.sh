@@ -9,7 +9,8 @@ cd "$(dirname "$0")"
 
 missing=()
 command -v cmake >/dev/null 2>&1 || missing+=(cmake)
-if ! ls /usr/lib/llvm-*/lib/libclang*.so* /usr/lib/*/libclang*.so* >/dev/null 2>&1; then
+# libclang itself (libclang.so.N / libclang-N.so.N), not libclang-cpp, which bindgen cannot use
+if ! ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/*/libclang-[0-9]*.so* >/dev/null 2>&1; then
   missing+=(libclang1-14)
 fi
 if ! ls /usr/lib/llvm-*/lib/clang/*/include/stdbool.h >/dev/null 2>&1; then
