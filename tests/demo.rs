@@ -267,7 +267,7 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
 fn the_value_head_separates_desk_successes_from_failures() {
     use turnwise::adapter::Adapter;
     use turnwise::demo::{expert_conversation, scripted_conversation};
-    use turnwise::env::{self, Action};
+    use turnwise::env::{self, Action, Split};
     use turnwise::learn::annotate::{annotate_sessions, fit_value_head, AnnotateConfig};
     use turnwise::policy::sampler::Rng;
     use turnwise::replay::import_conversation;
@@ -285,7 +285,14 @@ fn the_value_head_separates_desk_successes_from_failures() {
     let mut rng = Rng::new(5);
     let mut ids = Vec::new();
     for k in 0..30 {
-        let s = env::scenario(&mut rng, k % 5 == 4);
+        let s = env::scenario(
+            &mut rng,
+            if k % 5 == 4 {
+                Split::HeldOut
+            } else {
+                Split::Train
+            },
+        );
         let c = if k % 2 == 0 {
             expert_conversation(&s, 5)
         } else {
@@ -333,7 +340,7 @@ fn information_gain_scored_while_playing_matches_rescoring_the_log() {
     use std::collections::HashMap;
     use turnwise::adapter::Adapter;
     use turnwise::demo::{play, LogMeta, PlaySettings};
-    use turnwise::env;
+    use turnwise::env::{self, Split};
     use turnwise::learn::annotate::{annotate_sessions_with, AnnotateConfig, InfoGainSource};
     use turnwise::policy::sampler::{Rng, SamplerParams};
 
@@ -343,7 +350,7 @@ fn information_gain_scored_while_playing_matches_rescoring_the_log() {
     let mut rng = Rng::new(11);
     let mut scored = HashMap::new();
     for k in 0..3u64 {
-        let s = env::scenario(&mut rng, false);
+        let s = env::scenario(&mut rng, Split::Train);
         let how = PlaySettings {
             patience: 3,
             params: SamplerParams {
@@ -415,14 +422,14 @@ fn information_gain_scored_while_playing_matches_rescoring_the_log() {
 #[test]
 fn rescoring_does_not_depend_on_the_engine_or_its_history() {
     use turnwise::demo::expert_conversation;
-    use turnwise::env;
+    use turnwise::env::{self, Split};
     use turnwise::policy::sampler::Rng;
     use turnwise::policy::{Engine, EngineConfig};
     use turnwise::replay::rescore_conversation;
 
     let mut rng = Rng::new(9);
     let convs: Vec<_> = (0..4)
-        .map(|_| expert_conversation(&env::scenario(&mut rng, false), 5))
+        .map(|_| expert_conversation(&env::scenario(&mut rng, Split::Train), 5))
         .collect();
     let rescore_in = |order: &[usize]| {
         let mut cfg = EngineConfig::new(crate::common::model_path());

@@ -78,8 +78,9 @@ pub struct DemoArgs {
     #[arg(long)]
     temperature: Option<f32>,
     /// Validation gate: activate a candidate only if its greedy success on N fresh
-    /// training-template scenarios is at least the active adapter's on the same ones (default 16, --quick 0;
-    /// 0: the KL bound only)
+    /// validation-template scenarios (phrasings that neither the rollouts nor the held-out set
+    /// use) is at least the active adapter's on the same ones (default 32, --quick 0; 0: the KL
+    /// bound only)
     #[arg(long)]
     val: Option<usize>,
     /// Carry the learner's AdamW moments from update to update (saved with each adapter)

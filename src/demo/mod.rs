@@ -18,7 +18,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::adapter::{adapter_dir, Adapter};
-use crate::env::{self, Desk, Observation, Scenario};
+use crate::env::{self, Desk, Observation, Scenario, Split};
 use crate::error::{Error, Result};
 use crate::experience::{EntryRow, Evolution, Library, LibraryConfig};
 use crate::learn::annotate::{annotate_sessions_with, AnnotateConfig, InfoGainSource};
@@ -93,7 +93,8 @@ pub struct DemoConfig {
     /// the experience library: retrieval at every step, evolved after every update
     pub experience: bool,
     /// validation gate: a candidate is activated only if its greedy success (then mean reward)
-    /// on this many fresh training-template scenarios is at least the active adapter's on the
+    /// on this many fresh validation-template scenarios ([`Split::Validation`]: phrasings neither
+    /// the rollouts nor the held-out set use) is at least the active adapter's on the
     /// same scenarios (0: off, the KL bound is the only check). While candidates are rejected the
     /// rollouts of the
     /// unchanged active adapter stay on-policy and are kept for the next update (at most
@@ -154,7 +155,7 @@ impl DemoConfig {
             epochs: 2,
             eval_every: 0,
             experience: false,
-            val_scenarios: 16,
+            val_scenarios: 32,
             keep_optimizer: false,
             dr_grpo: true,
             adam_eps: 1e-8,
@@ -596,7 +597,7 @@ pub struct Demo<'a> {
     db: PathBuf,
     cfg: DemoConfig,
     held_out: Vec<Scenario>,
-    /// draws each gate's fresh validation scenarios (training templates)
+    /// draws each gate's fresh validation scenarios (validation templates)
     val_rng: Rng,
     /// sessions sampled with the active adapter since it was activated
     on_policy: usize,
@@ -632,7 +633,7 @@ impl<'a> Demo<'a> {
         };
         let mut rng = Rng::new(cfg.seed ^ 0x4845_4c44_4f55_5421);
         let held_out = (0..cfg.eval_scenarios)
-            .map(|_| env::scenario(&mut rng, true))
+            .map(|_| env::scenario(&mut rng, Split::HeldOut))
             .collect();
         Ok(Demo {
             engines,
@@ -764,13 +765,15 @@ impl<'a> Demo<'a> {
     }
 
     /// The validation gate: greedy (success, reward) of the candidate and of the active adapter
-    /// on the same fresh training-template scenarios. Fresh at every gate, because an adapter
+    /// on the same fresh validation-template scenarios (unseen phrasings: a candidate that got
+    /// better on the training phrasings and worse on new ones is measured, and rejected, as the
+    /// held-out set would see it). Fresh at every gate, because an adapter
     /// that was activated for its score on a fixed set carries that set's luck with it (the
     /// winner's curse): measured, a fixed 16-scenario set rejected every later candidate. The
     /// engine is back on the active adapter afterwards.
     fn validation_gate(&mut self, candidate: i64) -> Result<[(f64, f64); 2]> {
         let scenarios: Vec<Scenario> = (0..self.cfg.val_scenarios)
-            .map(|_| env::scenario(&mut self.val_rng, false))
+            .map(|_| env::scenario(&mut self.val_rng, Split::Validation))
             .collect();
         let current = self.validate(&scenarios)?;
         let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, candidate))?);
@@ -852,7 +855,7 @@ impl<'a> Demo<'a> {
         let mut rng = Rng::new(self.cfg.seed ^ 0x5741_524d);
         progress(Progress::Phase("demonstrations", self.cfg.demos));
         let demos: Vec<Conversation> = (0..self.cfg.demos)
-            .map(|_| expert_conversation(&env::scenario(&mut rng, false), self.cfg.patience))
+            .map(|_| expert_conversation(&env::scenario(&mut rng, Split::Train), self.cfg.patience))
             .collect();
         // rescored on every engine, stored in the order they were drawn (the warm start's
         // batches follow session order)
@@ -929,7 +932,7 @@ impl<'a> Demo<'a> {
         let score_reference = uses_process && self.cfg.process == ProcessSignal::InfoGain;
         let mut jobs = Vec::with_capacity(n);
         for k in 0..self.cfg.scenarios_per_iter {
-            let s = env::scenario(&mut rng, false);
+            let s = env::scenario(&mut rng, Split::Train);
             for g in 0..self.cfg.group_size {
                 let mut p = params.clone();
                 p.seed = rng.next_u64();
@@ -1199,7 +1202,7 @@ mod tests {
     fn the_expert_solves_every_training_scenario() {
         let mut rng = Rng::new(11);
         for _ in 0..200 {
-            let s = env::scenario(&mut rng, false);
+            let s = env::scenario(&mut rng, Split::Train);
             let c = expert_conversation(&s, 5);
             assert_eq!(c.outcome, Some(1.0), "{s:?}\n{:#?}", c.messages);
             assert!(c.messages.len() <= 2 + 2 * 5, "{:#?}", c.messages);

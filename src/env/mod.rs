@@ -114,8 +114,9 @@ const STREETS: &[&str] = &[
 ];
 
 /// Opening messages per intent: `{id}` is the order id (or removed when the customer does not
-/// give it), `{item}` the item, `{n}` a distractor number. Templates with an even index are for
-/// training, odd ones are held out; both halves hold a distractor template, so that the held-out
+/// give it), `{item}` the item, `{n}` a distractor number. Templates 0, 2, 4 are for training
+/// (demonstrations and rollouts), 1 and 3 are held out for evaluation, 5 and 6 are the
+/// validation gate's ([`Split`]); every split holds a distractor template, so that unseen
 /// phrasings are new but the situations (a missing id, a second number) are not.
 fn openings(intent: Intent) -> &'static [&'static str] {
     match intent {
@@ -125,6 +126,8 @@ fn openings(intent: Intent) -> &'static [&'static str] {
             "My {item} (order {id}) hasn't arrived. Any news?",
             "Hello! I ordered a {item} {n} days ago, order {id}. Where is it?",
             "It has been {n} days since I placed order {id}. Where is it?",
+            "Could you tell me where order {id} is right now?",
+            "Order {id} was due {n} days ago and I still have nothing. Any update?",
         ],
         Intent::Refund => &[
             "I want a refund for order {id}, the {item} never arrived.",
@@ -132,6 +135,8 @@ fn openings(intent: Intent) -> &'static [&'static str] {
             "The {item} from order {id} is broken, I'd like my money back.",
             "I paid {n} dollars for order {id} and want a refund.",
             "Order {id} arrived with {n} scratches, please refund it.",
+            "Order {id} never showed up, so I would like my money back.",
+            "I was charged {n} euros for order {id}, please refund me.",
         ],
         Intent::AddressChange => &[
             "I need to change the delivery address of order {id}.",
@@ -139,6 +144,8 @@ fn openings(intent: Intent) -> &'static [&'static str] {
             "I moved! Please update the address for my {item}, order {id}.",
             "Order {id}: wrong address, I live at number {n} now.",
             "Please change the address of order {id}, I moved {n} days ago.",
+            "Please ship order {id} to my new home instead.",
+            "Order {id} should go to my new flat, I moved {n} weeks ago.",
         ],
         Intent::Cancel => &[
             "Please cancel order {id}.",
@@ -146,6 +153,8 @@ fn openings(intent: Intent) -> &'static [&'static str] {
             "Cancel my order {id} please, I ordered it by mistake.",
             "Can order {id} still be cancelled? I bought {n} by accident.",
             "I ordered {n} of the wrong size, please cancel order {id}.",
+            "I changed my mind about order {id}, please cancel it.",
+            "Order {id} was a mistake, I bought {n} too many. Cancel it please.",
         ],
         Intent::OutOfPolicy => &[
             "Refund order {id} right now, I haven't even received it yet.",
@@ -153,6 +162,8 @@ fn openings(intent: Intent) -> &'static [&'static str] {
             "Refund {id} immediately please.",
             "Give me a refund for order {id}, I changed my mind {n} minutes ago.",
             "I want a refund for order {id} now, I ordered it {n} hours ago.",
+            "Order {id} hasn't shipped yet but I want my money back already.",
+            "Refund order {id}, I only ordered it {n} minutes ago.",
         ],
     }
 }
@@ -166,13 +177,44 @@ pub const INTENTS: [Intent; 5] = [
     Intent::OutOfPolicy,
 ];
 
-/// Draws a scenario; `held_out` picks from the held-out templates.
-pub fn scenario(rng: &mut Rng, held_out: bool) -> Scenario {
+/// Which phrasings a scenario may use. The split is by opening template, so that evaluation
+/// and the validation gate see phrasings no demonstration or rollout ever used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// demonstrations and RL rollouts (templates 0, 2, 4)
+    Train,
+    /// the held-out evaluations (templates 1, 3)
+    HeldOut,
+    /// the validation gate of candidate adapters (templates 5, 6): unseen phrasings, like the
+    /// held-out set, without ever touching it
+    Validation,
+}
+
+impl Split {
+    /// The template indices of this split.
+    pub fn templates(self) -> &'static [usize] {
+        match self {
+            Split::Train => &[0, 2, 4],
+            Split::HeldOut => &[1, 3],
+            Split::Validation => &[5, 6],
+        }
+    }
+
+    /// The split a template index belongs to.
+    pub fn of(template: usize) -> Split {
+        match template {
+            1 | 3 => Split::HeldOut,
+            5 | 6 => Split::Validation,
+            _ => Split::Train,
+        }
+    }
+}
+
+/// Draws a scenario from the templates of `split`.
+pub fn scenario(rng: &mut Rng, split: Split) -> Scenario {
     let intent = INTENTS[(rng.next_u64() % INTENTS.len() as u64) as usize];
     let templates = openings(intent);
-    let choices: Vec<usize> = (0..templates.len())
-        .filter(|i| (i % 2 == 1) == held_out)
-        .collect();
+    let choices = split.templates();
     let template = choices[(rng.next_u64() % choices.len() as u64) as usize];
     let id = 10_000 + (rng.next_u64() % 90_000) as u32;
     let status = match intent {
@@ -589,7 +631,7 @@ mod tests {
     fn back_office_and_rewards() {
         let mut rng = Rng::new(3);
         let s = loop {
-            let s = scenario(&mut rng, false);
+            let s = scenario(&mut rng, Split::Train);
             if s.intent == Intent::Refund {
                 break s;
             }
@@ -609,17 +651,48 @@ mod tests {
 
     #[test]
     fn scenarios_are_deterministic_and_split_by_template() {
-        let draw = |seed, held| {
+        let draw = |seed, split| {
             let mut r = Rng::new(seed);
-            (0..50).map(|_| scenario(&mut r, held)).collect::<Vec<_>>()
+            (0..200)
+                .map(|_| scenario(&mut r, split))
+                .collect::<Vec<_>>()
         };
-        assert_eq!(draw(5, false), draw(5, false));
-        assert!(draw(5, false).iter().all(|s| s.template % 2 == 0));
-        assert!(draw(5, true).iter().all(|s| s.template % 2 == 1));
-        let s = &draw(9, false)[0];
-        let open = s.opening();
-        assert_eq!(open.contains(&s.order.id.to_string()), s.gives_id, "{open}");
-        assert!(!open.contains('{'), "{open}");
+        assert_eq!(draw(5, Split::Train), draw(5, Split::Train));
+        for split in [Split::Train, Split::HeldOut, Split::Validation] {
+            let d = draw(5, split);
+            assert!(
+                d.iter().all(|s| Split::of(s.template) == split),
+                "{split:?}"
+            );
+            // every template of the split is used, for every intent
+            for intent in INTENTS {
+                for &t in split.templates() {
+                    assert!(
+                        d.iter().any(|s| s.intent == intent && s.template == t),
+                        "{split:?} {intent:?} {t}"
+                    );
+                }
+            }
+            for s in &d {
+                let open = s.opening();
+                assert_eq!(open.contains(&s.order.id.to_string()), s.gives_id, "{open}");
+                assert!(!open.contains('{'), "{open}");
+                if let Some(n) = s.distractor {
+                    assert!(open.contains(&format!(" {n} ")), "{open}");
+                }
+            }
+        }
+        // no phrasing is shared between splits
+        for intent in INTENTS {
+            let t = openings(intent);
+            assert_eq!(t.len(), 7);
+            for i in 0..t.len() {
+                for j in 0..i {
+                    assert_ne!(t[i], t[j]);
+                }
+            }
+        }
+        let s = &draw(9, Split::Train)[0];
         assert!(s
             .answer("Could you give me your order number?")
             .contains(&s.order.id.to_string()));
