@@ -77,6 +77,10 @@ pub struct DemoArgs {
     /// Rollout temperature
     #[arg(long)]
     temperature: Option<f32>,
+    /// Rollouts take the arg-max wherever it is a digit token (order ids copied as the greedy
+    /// evaluations copy them; exploration stays on the words)
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    greedy_digits: OnOff,
     /// Validation gate: activate a candidate only if its greedy success on N fresh
     /// validation-template scenarios (phrasings that neither the rollouts nor the held-out set
     /// use) is at least the active adapter's on the same ones (default 32, --quick 0; 0: the KL
@@ -153,6 +157,7 @@ impl DemoArgs {
             c.keep_optimizer = k == OnOff::On;
         }
         c.dr_grpo = self.dr_grpo == OnOff::On;
+        c.greedy_digits = self.greedy_digits == OnOff::On;
         if let Some(m) = self.mask_digits {
             c.mask_digits = m == DigitMask::On;
             c.mask_negative_digits = m == DigitMask::Negative;

@@ -80,6 +80,13 @@ pub struct DemoConfig {
     /// rollout temperature (top-k and top-p are off; below 1 the update reweights tokens with
     /// truncated importance sampling, because the learner's policy is the temperature-1 one)
     pub temperature: f32,
+    /// rollouts take the arg-max wherever it is a digit token
+    /// ([`SamplerParams::greedy_digits`]): order ids are copied as the greedy evaluations copy
+    /// them, and exploration stays on the words. At temperature 0.7 the warm-started model
+    /// garbles about every other id it samples (`ACTION status 1721377777`), so rollouts that
+    /// took the right decision fail on digit noise the greedy policy does not make, and the
+    /// update blames the decision
+    pub greedy_digits: bool,
     /// A²TGPO / ATPO process signal
     pub process: ProcessSignal,
     /// largest |approx KL| of an update that may be activated
@@ -149,6 +156,7 @@ impl DemoConfig {
             patience: 5,
             max_tokens: 32,
             temperature: 0.7,
+            greedy_digits: true,
             process: ProcessSignal::InfoGain,
             gate_kl: 0.2,
             lr: 1e-3,
@@ -921,6 +929,7 @@ impl<'a> Demo<'a> {
             top_k: 0,
             top_p: 1.0,
             max_tokens: self.cfg.max_tokens,
+            greedy_digits: self.cfg.greedy_digits,
             ..Default::default()
         };
         let sampled_with = self.active.as_ref().map(|a| a.0);

@@ -211,9 +211,11 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         s,
         "Model `{}`; {} held-out scenarios (templates never used in training), greedy replies, at most {} agent replies of {} tokens. \
          Warm start: {} scripted-expert demonstrations, {} epochs of supervised fine-tuning. \
-         RL: {} scenarios × {} rollouts per iteration at temperature {}, lr {}, {} epochs, process signal `{:?}`, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
+         RL: {} scenarios × {} rollouts per iteration at temperature {}{}, lr {}, {} epochs, process signal `{:?}`, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
         r.model, c.eval_scenarios, c.patience, c.max_tokens, c.demos, c.warm_epochs,
-        c.scenarios_per_iter, c.group_size, c.temperature, c.lr, c.epochs, c.process,
+        c.scenarios_per_iter, c.group_size, c.temperature,
+        if c.greedy_digits { " (digits greedy)" } else { "" },
+        c.lr, c.epochs, c.process,
         if c.mask_digits {
             "masked from the policy gradient"
         } else if c.mask_negative_digits {
@@ -222,7 +224,7 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
             "trained"
         }, c.gate_kl,
         if c.val_scenarios > 0 {
-            format!(" and greedy success ≥ the active adapter's on {} fresh training scenarios", c.val_scenarios)
+            format!(" and greedy success ≥ the active adapter's on {} fresh validation scenarios (unseen phrasings)", c.val_scenarios)
         } else {
             String::new()
         },

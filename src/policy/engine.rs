@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc::UnboundedSender, oneshot};
 
 use super::conversation::{Conversation, Message, PromptTurn, Role, Utf8Stream};
-use super::head::{output_types, FeatureDtype};
+use super::head::{is_digit_piece, output_types, FeatureDtype};
 use super::llama::{self, Context, ContextParams, Model, Token};
 use super::sampler::{self, Rng, SamplerParams};
 use crate::adapter::Adapter;
@@ -395,6 +395,8 @@ struct Worker {
     act_type: u32,
     /// end-of-generation tokens (masked when `ignore_eog`)
     eog: Vec<Token>,
+    /// per token id: its piece writes only digits (for `greedy_digits`)
+    digits: Vec<bool>,
     /// tokens currently in the KV cache
     cached: Vec<Token>,
     /// adapter applied to the logits before sampling
@@ -445,11 +447,18 @@ impl Worker {
         let eog = (0..model.n_vocab() as Token)
             .filter(|&t| model.is_eog(t))
             .collect();
+        let digits = (0..model.n_vocab() as Token)
+            .map(|t| {
+                let piece = model.piece(t, false);
+                std::str::from_utf8(&piece).is_ok_and(is_digit_piece)
+            })
+            .collect();
         Ok(Worker {
             assistant_opening,
             turn_end,
             act_type,
             eog,
+            digits,
             n_embd: model.n_embd(),
             ctx,
             model,
@@ -707,7 +716,9 @@ impl Worker {
                     logits[t as usize] = f32::NEG_INFINITY;
                 }
             }
-            let s = sampler::sample(&logits, p, &mut rng);
+            let digits = &self.digits;
+            let is_digit = |t: i32| usize::try_from(t).is_ok_and(|t| digits.get(t) == Some(&true));
+            let s = sampler::sample_with(&logits, p, &mut rng, &is_digit);
             tokens.push(s.token);
             lb.push(s.logp_behavior);
             lf.push(s.logp_full);

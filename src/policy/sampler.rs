@@ -27,6 +27,11 @@ pub struct SamplerParams {
     pub stop: Vec<String>,
     /// never sample end-of-generation tokens (benchmarks); their logits are masked
     pub ignore_eog: bool,
+    /// where the arg-max token writes only digits, take it (a point mass, behaviour log-prob
+    /// 0) instead of sampling: numbers such as order ids are copied as greedy decoding copies
+    /// them, and the randomness stays on the words (RL rollouts explore decisions, not digit
+    /// noise)
+    pub greedy_digits: bool,
 }
 
 impl Default for SamplerParams {
@@ -39,6 +44,7 @@ impl Default for SamplerParams {
             seed: 0,
             stop: Vec::new(),
             ignore_eog: false,
+            greedy_digits: false,
         }
     }
 }
@@ -186,9 +192,36 @@ fn top_k(logits: &[f32], k: usize) -> Vec<(i32, f32)> {
     kept
 }
 
+/// [`distribution`] with [`SamplerParams::greedy_digits`]: the single arg-max when it is a token
+/// for which `is_digit` holds, else the usual distribution.
+pub fn distribution_with(
+    logits: &[f32],
+    p: &SamplerParams,
+    is_digit: &dyn Fn(i32) -> bool,
+) -> Vec<(i32, f64)> {
+    if p.greedy_digits && p.temperature > 0.0 {
+        if let Some(&(best, _)) = top_k(logits, 1).first() {
+            if is_digit(best) {
+                return vec![(best, 1.0)];
+            }
+        }
+    }
+    distribution(logits, p)
+}
+
 /// Draws one token from `logits` with settings `p`.
 pub fn sample(logits: &[f32], p: &SamplerParams, rng: &mut Rng) -> Sampled {
-    let dist = distribution(logits, p);
+    sample_with(logits, p, rng, &|_| false)
+}
+
+/// [`sample`] from [`distribution_with`].
+pub fn sample_with(
+    logits: &[f32],
+    p: &SamplerParams,
+    rng: &mut Rng,
+    is_digit: &dyn Fn(i32) -> bool,
+) -> Sampled {
+    let dist = distribution_with(logits, p, is_digit);
     let u = rng.next_f64();
     let mut cum = 0.0;
     let mut pick = dist[dist.len() - 1];
@@ -209,7 +242,17 @@ pub fn sample(logits: &[f32], p: &SamplerParams, rng: &mut Rng) -> Sampled {
 
 /// The behaviour log-prob of `token` under settings `p` (`None` when truncation excludes it).
 pub fn behavior_logprob(logits: &[f32], p: &SamplerParams, token: i32) -> Option<f64> {
-    distribution(logits, p)
+    behavior_logprob_with(logits, p, token, &|_| false)
+}
+
+/// [`behavior_logprob`] under [`distribution_with`].
+pub fn behavior_logprob_with(
+    logits: &[f32],
+    p: &SamplerParams,
+    token: i32,
+    is_digit: &dyn Fn(i32) -> bool,
+) -> Option<f64> {
+    distribution_with(logits, p, is_digit)
         .into_iter()
         .find(|&(t, _)| t == token)
         .map(|(_, q)| q.ln())
@@ -293,6 +336,34 @@ mod tests {
             vec![1, 3, 4, 0, 5]
         );
         assert_eq!(distribution(&l, &params(0.0, 1.0, 0))[0].0, 1);
+    }
+
+    #[test]
+    fn greedy_digits_take_the_argmax_digit_and_sample_the_rest() {
+        // tokens 0..4; token 2 is a digit
+        let digit = |t: i32| t == 2;
+        let mut p = params(0.7, 1.0, 0);
+        p.greedy_digits = true;
+        // arg-max is the digit: a point mass, behaviour log-prob 0, full log-prob unchanged
+        let l = [0.0f32, 1.0, 3.0, 0.5];
+        assert_eq!(distribution_with(&l, &p, &digit), vec![(2, 1.0)]);
+        let mut rng = Rng::new(5);
+        for _ in 0..20 {
+            let s = sample_with(&l, &p, &mut rng, &digit);
+            assert_eq!((s.token, s.logp_behavior), (2, 0.0));
+            assert!((s.logp_full as f64 - (3.0 - logsumexp(&l))).abs() < 1e-6);
+        }
+        assert_eq!(behavior_logprob_with(&l, &p, 1, &digit), None);
+        // arg-max is a word: the tempered distribution, digits included
+        let l = [0.0f32, 3.0, 2.5, 0.5];
+        assert_eq!(distribution_with(&l, &p, &digit), distribution(&l, &p));
+        let b = behavior_logprob_with(&l, &p, 2, &digit).unwrap();
+        let want = (2.5f64 / 0.7) - logsumexp(&l.map(|x| x / 0.7));
+        assert!((b - want).abs() < 1e-6, "{b} {want}");
+        // off: the usual distribution even at a digit arg-max
+        p.greedy_digits = false;
+        let l = [0.0f32, 1.0, 3.0, 0.5];
+        assert_eq!(distribution_with(&l, &p, &digit), distribution(&l, &p));
     }
 
     #[test]

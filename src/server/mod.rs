@@ -264,6 +264,7 @@ fn sampler(req: &ChatRequest, limit: usize) -> ApiResult<SamplerParams> {
         seed: req.seed.unwrap_or_else(rand_seed),
         stop,
         ignore_eog: false,
+        greedy_digits: false,
     };
     if !(0.0..=2.0).contains(&p.temperature) || !(0.0..=1.0).contains(&p.top_p) || p.top_p == 0.0 {
         return Err(ApiError::bad(
