@@ -30,6 +30,76 @@ fn opening() -> Vec<Message> {
     ]
 }
 
+/// `greedy_digits`: wherever the arg-max of the logits (recomputed from the stored hidden
+/// state) is a digit token, the engine took exactly that token with behaviour log-prob 0; every
+/// other token was sampled from the tempered distribution and its behaviour log-prob matches it.
+#[test]
+fn greedy_digits_take_the_argmax_digit_and_sample_everything_else() {
+    let e = engine();
+    let n_embd = e.info().n_embd;
+    let is_digit = |t: i32| usize::try_from(t).is_ok_and(|t| head().is_digit_token(t));
+    let (mut digit_points, mut sampled) = (0, 0);
+    for seed in 0..6u64 {
+        let k = session_key();
+        let p = SamplerParams {
+            seed,
+            max_tokens: 32,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            greedy_digits: true,
+            ..Default::default()
+        };
+        let msgs = vec![
+            Message::new(Role::System, "You are a support agent."),
+            Message::new(
+                Role::User,
+                "My order number is 48213. Please write the order number 48213 back to me.",
+            ),
+        ];
+        let g = e.generate(k, msgs, p.clone(), None).unwrap();
+        e.close(k);
+        let r = &g.reply;
+        let t = r.tokens.len();
+        let logits = head()
+            .base_logits(
+                Array2::from_shape_vec((t, n_embd), r.hidden.clone())
+                    .unwrap()
+                    .view(),
+            )
+            .unwrap();
+        for i in 0..t {
+            let row: Vec<f32> = logits.row(i).to_vec();
+            let best = sampler::distribution(
+                &row,
+                &SamplerParams {
+                    temperature: 0.0,
+                    ..p.clone()
+                },
+            )[0]
+            .0;
+            if is_digit(best) {
+                digit_points += 1;
+                assert_eq!(r.tokens[i], best, "seed {seed} position {i}");
+                assert_eq!(r.logp_behavior[i], 0.0);
+            } else {
+                sampled += 1;
+                let b = sampler::behavior_logprob_with(&row, &p, r.tokens[i], &is_digit).unwrap();
+                assert!(
+                    (b - r.logp_behavior[i] as f64).abs() < 1e-3,
+                    "{b} {}",
+                    r.logp_behavior[i]
+                );
+            }
+        }
+    }
+    // both kinds of position occurred, so neither branch passed vacuously
+    assert!(
+        digit_points >= 5 && sampled >= 5,
+        "{digit_points} digit, {sampled} sampled"
+    );
+}
+
 #[test]
 fn generation_with_a_fixed_seed_is_reproducible() {
     let e = engine();

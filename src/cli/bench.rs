@@ -289,6 +289,7 @@ fn train(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
                 gmat: Some(group_mean_matrix(&obj, &batch).mapv(|x| x as f32)),
                 kl: None,
                 entropy: None,
+                digit_class: None,
             };
             let mut step = OrtStep::new(
                 StepKind::Surrogate {

@@ -103,6 +103,11 @@ pub struct DemoArgs {
     /// reinforces the id it copied; a failure does not push the copied digits down)
     #[arg(long, value_enum)]
     mask_digits: Option<DigitMask>,
+    /// What the warm start's cross-entropy asks of a digit of the demonstrations: `token`
+    /// (that digit) or `class` (some digit: where an id goes is taught, copying it is left to
+    /// the base model)
+    #[arg(long, value_enum, default_value_t = WarmDigits::Token)]
+    warm_digits: WarmDigits,
     /// llama.cpp engines that play sessions side by side; `--threads` is split between them
     /// (two one-thread engines decode about 1.4× faster than one two-thread engine on two cores)
     /// [default: 2, or 1 with `--threads 1`]
@@ -122,6 +127,15 @@ enum DigitMask {
     On,
     /// digit tokens of turns with a non-positive advantage do not learn
     Negative,
+}
+
+/// The warm start's target for a digit token.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum WarmDigits {
+    /// the demonstration's digit
+    Token,
+    /// any digit (the digit class)
+    Class,
 }
 
 /// A switch.
@@ -158,6 +172,7 @@ impl DemoArgs {
         }
         c.dr_grpo = self.dr_grpo == OnOff::On;
         c.greedy_digits = self.greedy_digits == OnOff::On;
+        c.warm_digit_class = self.warm_digits == WarmDigits::Class;
         if let Some(m) = self.mask_digits {
             c.mask_digits = m == DigitMask::On;
             c.mask_negative_digits = m == DigitMask::Negative;

@@ -98,6 +98,10 @@ pub struct TrainArgs {
     /// Give digit tokens policy gradient only in turns with a positive advantage
     #[arg(long)]
     mask_negative_digits: bool,
+    /// SFT: a digit token of the target counts as the digit class (−log Σ_digits p), so that
+    /// demonstrations teach where an id goes and copying it stays with the base model
+    #[arg(long)]
+    sft_digit_class: bool,
     /// k3 KL coefficient (reference: the base policy, or --kl-ref)
     #[arg(long, default_value_t = 0.0)]
     kl_coef: f64,
@@ -317,6 +321,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     cfg.objective.mis = args.mis;
     cfg.mask_digits = args.mask_digits;
     cfg.mask_negative_digits = args.mask_negative_digits;
+    cfg.sft_digit_class = args.sft_digit_class;
     cfg.dr_grpo = args.dr_grpo;
     cfg.drop_uninformative = args.drop_uninformative;
     cfg.keep_optimizer = args.keep_optimizer;

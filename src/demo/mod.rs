@@ -127,6 +127,9 @@ pub struct DemoConfig {
     pub kl_warm: f64,
     /// RL gives digit tokens no policy gradient ([`crate::learn::TrainConfig::mask_digits`])
     pub mask_digits: bool,
+    /// the warm start counts the demonstrations' digits as the digit class
+    /// ([`crate::learn::TrainConfig::sft_digit_class`])
+    pub warm_digit_class: bool,
     /// RL gives digit tokens policy gradient only in turns with a positive advantage
     /// ([`crate::learn::TrainConfig::mask_negative_digits`])
     pub mask_negative_digits: bool,
@@ -169,6 +172,7 @@ impl DemoConfig {
             adam_eps: 1e-8,
             kl_warm: 0.0,
             mask_digits: false,
+            warm_digit_class: false,
             mask_negative_digits: false,
             engines: 2,
             train_threads: 2,
@@ -883,6 +887,7 @@ impl<'a> Demo<'a> {
         let mut cfg = TrainConfig::preset(Algo::Sft);
         cfg.threads = self.cfg.train_threads;
         cfg.epochs = self.cfg.warm_epochs;
+        cfg.sft_digit_class = self.cfg.warm_digit_class;
         cfg.seed = self.cfg.seed;
         let sel = Selection {
             source: Some(Source::Import),

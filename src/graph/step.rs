@@ -27,8 +27,13 @@ pub enum StepKind {
         /// subtract `ent_coef · Σ w_ent · H` (full-softmax entropy)
         entropy: bool,
     },
-    /// `−Σ w · logp` (supervised warm start)
-    CrossEntropy,
+    /// `−Σ w · logp` (supervised warm start); with `digit_class`, a token marked in `cls`
+    /// contributes `log Σ_{digits} p` (the `dmask` columns) instead of its own log-prob
+    /// ([`crate::learn::objective::lora_class_ce_and_grad`])
+    CrossEntropy {
+        /// the digit-class inputs `dmask` `[V, 1]` and `cls` `[T]` are used
+        digit_class: bool,
+    },
 }
 
 /// Builds the step graph; inputs are named as in [`StepInputs`], outputs are `loss`, `logp`,
@@ -54,7 +59,23 @@ pub fn build(kind: StepKind, elem: Elem) -> Vec<u8> {
     let lp2 = g.gather_elements(ls, tok);
     let lp = g.reshape(lp2, &[-1]);
     let loss = match kind {
-        StepKind::CrossEntropy => {
+        StepKind::CrossEntropy { digit_class } => {
+            let lp = if digit_class {
+                // log P(digit) = log(softmax · dmask), then lp + cls · (log P(digit) − lp)
+                let dmask = g.input("dmask", &[Sym("V"), Fixed(1)], false);
+                let cls = g.input("cls", &[Sym("T")], false);
+                let p = g.exp(ls);
+                let pd = g.matmul(p, dmask);
+                let tiny = g.scalar(1e-30);
+                let pd = g.add(pd, tiny);
+                let ld = g.log(pd);
+                let ld = g.reshape(ld, &[-1]);
+                let diff = g.sub(ld, lp);
+                let sel = g.mul(cls, diff);
+                g.add(lp, sel)
+            } else {
+                lp
+            };
             let t = g.mul(lp, w);
             let s = g.reduce_sum_all(t);
             g.neg(s)
@@ -164,6 +185,9 @@ pub struct StepInputs<'a> {
     pub kl: Option<(Vec<f32>, Vec<f32>, f32)>,
     /// entropy bonus: weights, coefficient
     pub entropy: Option<(Vec<f32>, f32)>,
+    /// digit-class cross-entropy: per vocabulary entry 1 for a digit token, per token 1 where
+    /// the digit class replaces the token's log-prob
+    pub digit_class: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 /// The step graph in an ONNX Runtime session.
@@ -219,6 +243,20 @@ impl OrtStep {
                     .into(),
             ),
         ];
+        if let StepKind::CrossEntropy { digit_class: true } = self.kind {
+            let (dmask, cls) = x
+                .digit_class
+                .as_ref()
+                .ok_or_else(|| Error::Invalid("digit-class inputs missing".into()))?;
+            let v = dmask.len();
+            inputs.push((
+                "dmask",
+                Tensor::from_array(Array2::from_shape_fn((v, 1), |(i, _)| dmask[i]))
+                    .map_err(e("input"))?
+                    .into(),
+            ));
+            inputs.push(("cls", vec(cls)?.into()));
+        }
         if let StepKind::Surrogate {
             granularity,
             kl,
@@ -400,6 +438,7 @@ mod tests {
                         0.1,
                     )),
                     entropy: Some((f32v(&w_ent), 0.05)),
+                    digit_class: None,
                 };
                 let (loss, lp, da, db) = step.run(&inputs).unwrap();
                 let close = |x: f64, y: f64| (x - y).abs() <= 2e-4 * (1.0 + y.abs());
@@ -435,7 +474,12 @@ mod tests {
                 )
             },
         );
-        let mut ce = OrtStep::new(StepKind::CrossEntropy, Device::Cpu, 1).unwrap();
+        let mut ce = OrtStep::new(
+            StepKind::CrossEntropy { digit_class: false },
+            Device::Cpu,
+            1,
+        )
+        .unwrap();
         let (bf, hf, af, bbf) = (
             base.mapv(|x| x as f32),
             h.mapv(|x| x as f32),
@@ -458,11 +502,72 @@ mod tests {
                 gmat: None,
                 kl: None,
                 entropy: None,
+                digit_class: None,
             })
             .unwrap();
         assert!((loss as f64 - l_ref).abs() < 1e-4 * (1.0 + l_ref.abs()));
         for (x, y) in da.iter().zip(da_ref.iter()) {
             assert!((*x as f64 - y).abs() < 2e-4 * (1.0 + y.abs()));
+        }
+        // cross-entropy with a digit class (every third vocabulary entry a digit; the target
+        // tokens that are digits use the class)
+        let digit: Vec<bool> = (0..v).map(|i| i % 3 == 0).collect();
+        let class: Vec<bool> = tokens.iter().map(|&k| digit[k]).collect();
+        assert!(
+            class.iter().any(|&c| c) && class.iter().any(|&c| !c),
+            "{tokens:?}"
+        );
+        let (l_ref, lp_ref, da_ref, db_ref) = crate::learn::objective::lora_class_ce_and_grad(
+            base.view(),
+            h.view(),
+            &tokens,
+            a.view(),
+            b.view(),
+            scale,
+            &w,
+            &class,
+            &digit,
+        );
+        let mut dc =
+            OrtStep::new(StepKind::CrossEntropy { digit_class: true }, Device::Cpu, 1).unwrap();
+        let f01 = |v: &[bool]| {
+            v.iter()
+                .map(|&x| f32::from(u8::from(x)))
+                .collect::<Vec<f32>>()
+        };
+        let (loss, lp, da, db) = dc
+            .run(&StepInputs {
+                base: bf.view(),
+                h: hf.view(),
+                a: af.view(),
+                b: bbf.view(),
+                scale: scale as f32,
+                tokens: &tokens,
+                w: f32v(&w),
+                old: vec![],
+                adv: vec![],
+                lo: vec![],
+                hi: vec![],
+                gmat: None,
+                kl: None,
+                entropy: None,
+                digit_class: Some((f01(&digit), f01(&class))),
+            })
+            .unwrap();
+        let close = |x: f64, y: f64| (x - y).abs() <= 2e-4 * (1.0 + y.abs());
+        assert!(
+            close(loss as f64, l_ref),
+            "digit class: loss {loss} vs {l_ref}"
+        );
+        for (x, y) in lp.iter().zip(&lp_ref) {
+            assert!(close(*x as f64, *y), "digit class: logp {x} vs {y}");
+        }
+        for (x, y) in da
+            .iter()
+            .zip(da_ref.iter())
+            .chain(db.iter().zip(db_ref.iter()))
+        {
+            assert!(close(*x as f64, *y), "digit class: gradient {x} vs {y}");
         }
     }
 }

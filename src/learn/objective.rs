@@ -387,6 +387,58 @@ pub fn lora_loss_and_grad_entropy<F: Float + LinalgScalar + ScalarOperand>(
     (loss, logp, da, db)
 }
 
+/// The warm start's cross-entropy with a digit class: a token `k` with `class[k]` (a digit of
+/// the target) contributes `−w_k log Σ_{d digit} p_k(d)` — the model is taught that a digit comes
+/// here, not which one, so copying an order id stays with the base model — every other token
+/// `−w_k log p_k(token)`. `digit[v]`: vocabulary entry `v` is a digit token. Returns
+/// `(loss, logp of the target tokens, ∂A, ∂B)`; the reference of the step graph's
+/// [`crate::graph::step::StepKind::CrossEntropy`] with `digit_class`.
+#[allow(clippy::too_many_arguments)]
+pub fn lora_class_ce_and_grad<F: Float + LinalgScalar + ScalarOperand>(
+    base: ArrayView2<'_, F>,
+    h: ArrayView2<'_, F>,
+    tokens: &[usize],
+    a: ArrayView2<'_, F>,
+    b: ArrayView2<'_, F>,
+    scale: F,
+    w: &[F],
+    class: &[bool],
+    digit: &[bool],
+) -> (F, Vec<F>, Array2<F>, Array2<F>) {
+    let u = h.dot(&a.t()); // [T, r]
+    let mut z = base.to_owned() + &(u.dot(&b.t()) * scale); // [T, V]
+    let mut logp = Vec::with_capacity(tokens.len());
+    let mut loss = F::zero();
+    for (k, (mut row, &tok)) in z.rows_mut().into_iter().zip(tokens).enumerate() {
+        let m = row.iter().copied().fold(F::neg_infinity(), F::max);
+        let sum = row.iter().fold(F::zero(), |acc, &x| acc + (x - m).exp());
+        let lse = m + sum.ln();
+        logp.push(row[tok] - lse);
+        row.mapv_inplace(|x| (x - lse).exp());
+        let wk = w[k];
+        if class[k] {
+            // dZ_j = w (p_j − [j digit] p_j / P_D)
+            let pd = row
+                .iter()
+                .zip(digit)
+                .filter(|(_, &d)| d)
+                .fold(F::zero(), |acc, (&p, _)| acc + p);
+            loss = loss - wk * pd.ln();
+            for (p, &d) in row.iter_mut().zip(digit) {
+                *p = if d { wk * (*p - *p / pd) } else { wk * *p };
+            }
+        } else {
+            loss = loss - wk * logp[k];
+            row.mapv_inplace(|p| wk * p);
+            row[tok] = row[tok] - wk;
+        }
+    }
+    let db = z.t().dot(&u) * scale; // [V, r]
+    let du = z.dot(&b) * scale; // [T, r]
+    let da = du.t().dot(&h); // [r, d]
+    (loss, logp, da, db)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -547,6 +599,121 @@ mod tests {
             aggregation_weights(&b, Aggregation::SeqMeanTokenSumNorm),
             vec![1.0 / 6.0; 4]
         );
+    }
+
+    /// The digit-class cross-entropy by hand and against central finite differences.
+    #[test]
+    fn digit_class_cross_entropy_matches_hand_values_and_finite_differences() {
+        // by hand: zero adapter, base logits ln(1), ln(2), ln(3), ln(4) over [word, d, d, word]:
+        // p = .1 .2 .3 .4, the digit class holds .5, so a class token costs −ln .5 (weight 1) and
+        // a word token (the last) −ln .4
+        let base = Array2::from_shape_vec(
+            (2, 4),
+            [1.0f64, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0]
+                .map(f64::ln)
+                .to_vec(),
+        )
+        .unwrap();
+        let h = Array2::from_elem((2, 3), 0.5f64);
+        let (a, b) = (
+            Array2::from_elem((2, 3), 0.1f64),
+            Array2::<f64>::zeros((4, 2)),
+        );
+        let digit = [false, true, true, false];
+        let (loss, logp, _, db) = lora_class_ce_and_grad(
+            base.view(),
+            h.view(),
+            &[1, 3],
+            a.view(),
+            b.view(),
+            2.0,
+            &[1.0, 1.0],
+            &[true, false],
+            &digit,
+        );
+        assert!(
+            (loss - (-(0.5f64.ln()) - 0.4f64.ln())).abs() < 1e-12,
+            "{loss}"
+        );
+        assert!((logp[0] - 0.2f64.ln()).abs() < 1e-12);
+        // with B = 0, ∂B_v = scale · Σ_k dZ_kv · u_k; u = A h = 0.15 per rank
+        // class row: dZ = (.1, .2 − .4, .3 − .6, .4); word row: dZ = (.1, .2, .3, .4 − 1)
+        let want = [0.2, -0.2 + 0.2, -0.3 + 0.3, 0.4 - 0.6];
+        for (v, w) in want.iter().enumerate() {
+            assert!(
+                (db[[v, 0]] - 2.0 * 0.15 * w).abs() < 1e-12,
+                "{v}: {}",
+                db[[v, 0]]
+            );
+        }
+
+        let (t, v, d, r) = (5, 12, 6, 3);
+        let mut rng = Rng::new(21);
+        let mut rnd = |n: usize, s: f64| {
+            (0..n)
+                .map(|_| (rng.next_f64() * 2.0 - 1.0) * s)
+                .collect::<Vec<f64>>()
+        };
+        let base = Array2::from_shape_vec((t, v), rnd(t * v, 2.0)).unwrap();
+        let h = Array2::from_shape_vec((t, d), rnd(t * d, 1.0)).unwrap();
+        let a = Array2::from_shape_vec((r, d), rnd(r * d, 0.5)).unwrap();
+        let b = Array2::from_shape_vec((v, r), rnd(v * r, 0.5)).unwrap();
+        let digit: Vec<bool> = (0..v).map(|i| i % 3 == 0).collect();
+        let tokens = [0, 4, 3, 6, 1];
+        let class = [true, false, true, true, false];
+        let w = [0.2, 0.2, 0.3, 0.1, 0.2];
+        let f = |a: &Array2<f64>, b: &Array2<f64>| {
+            lora_class_ce_and_grad(
+                base.view(),
+                h.view(),
+                &tokens,
+                a.view(),
+                b.view(),
+                1.5,
+                &w,
+                &class,
+                &digit,
+            )
+            .0
+        };
+        let (_, _, da, db) = lora_class_ce_and_grad(
+            base.view(),
+            h.view(),
+            &tokens,
+            a.view(),
+            b.view(),
+            1.5,
+            &w,
+            &class,
+            &digit,
+        );
+        let eps = 1e-6;
+        for i in 0..r {
+            for j in 0..d {
+                let (mut ap, mut am) = (a.clone(), a.clone());
+                ap[[i, j]] += eps;
+                am[[i, j]] -= eps;
+                let fd = (f(&ap, &b) - f(&am, &b)) / (2.0 * eps);
+                assert!(
+                    (fd - da[[i, j]]).abs() < 1e-6,
+                    "dA {i},{j}: {fd} vs {}",
+                    da[[i, j]]
+                );
+            }
+        }
+        for i in 0..v {
+            for j in 0..r {
+                let (mut bp, mut bm) = (b.clone(), b.clone());
+                bp[[i, j]] += eps;
+                bm[[i, j]] -= eps;
+                let fd = (f(&a, &bp) - f(&a, &bm)) / (2.0 * eps);
+                assert!(
+                    (fd - db[[i, j]]).abs() < 1e-6,
+                    "dB {i},{j}: {fd} vs {}",
+                    db[[i, j]]
+                );
+            }
+        }
     }
 
     /// The full step (LoRA forward, log-softmax, surrogate, backward) against central finite

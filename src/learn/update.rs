@@ -13,9 +13,9 @@ use serde_json::json;
 
 use super::advantages::{a2tgpo, gigpo, group_normalize, informative_groups, windowed_gae};
 use super::objective::{
-    aggregation_weights, clip_bounds, group_mean_matrix, lora_loss_and_grad,
-    lora_loss_and_grad_entropy, policy_weights, surrogate, Aggregation, ClipMode, Granularity,
-    ObjectiveConfig, TokenBatch,
+    aggregation_weights, clip_bounds, group_mean_matrix, lora_class_ce_and_grad,
+    lora_loss_and_grad, lora_loss_and_grad_entropy, policy_weights, surrogate, Aggregation,
+    ClipMode, Granularity, ObjectiveConfig, TokenBatch,
 };
 use crate::adapter::{adapter_dir, f32_bytes, f32_tensor, Adapter};
 use crate::error::{Error, Result};
@@ -146,6 +146,13 @@ pub struct TrainConfig {
     /// 1777777…`). The turn's other tokens learn from both signs. Ignored with `mask_digits`.
     #[serde(default)]
     pub mask_negative_digits: bool,
+    /// SFT only: a digit token of the target counts as the digit class (`−log Σ_digits p`)
+    /// instead of itself ([`lora_class_ce_and_grad`]): the demonstrations teach that an id
+    /// comes here, not which digits, and copying stays with the base model. Random order ids
+    /// in a few dozen demonstrations are otherwise memorised by the output LoRA as digit biases
+    /// that override copying on new ids (`ACTION status 8000` for order 69567)
+    #[serde(default)]
+    pub sft_digit_class: bool,
 }
 
 impl TrainConfig {
@@ -225,6 +232,7 @@ impl TrainConfig {
             kl_ref_adapter: None,
             mask_digits: false,
             mask_negative_digits: false,
+            sft_digit_class: false,
         }
     }
 }
@@ -293,6 +301,11 @@ struct Minibatch {
     batch: TokenBatch,
     /// index in `h` of each turn's first token (its state) and the session's outcome in [0, 1]
     states: Vec<(usize, f64)>,
+    /// SFT with [`TrainConfig::sft_digit_class`]: per token, it is a digit and counts as the
+    /// digit class (empty otherwise)
+    digit_class: Vec<bool>,
+    /// with `digit_class`: per vocabulary entry, 1 for a digit token
+    digit_vocab: Option<std::sync::Arc<Vec<f32>>>,
 }
 
 #[derive(Clone)]
@@ -545,6 +558,15 @@ fn step_inputs<'a>(
             (
                 f(&aggregation_weights(&mb.batch, cfg.objective.aggregation)),
                 cfg.objective.entropy_coef as f32,
+            )
+        }),
+        digit_class: mb.digit_vocab.as_ref().map(|v| {
+            (
+                v.to_vec(),
+                mb.digit_class
+                    .iter()
+                    .map(|&c| f32::from(u8::from(c)))
+                    .collect(),
             )
         }),
     }
@@ -822,7 +844,9 @@ pub fn run_update(
     let mut ort_step = match cfg.backend {
         Backend::Ort => {
             let kind = if sft {
-                StepKind::CrossEntropy
+                StepKind::CrossEntropy {
+                    digit_class: cfg.sft_digit_class,
+                }
             } else {
                 StepKind::Surrogate {
                     granularity: cfg.objective.granularity,
@@ -835,6 +859,13 @@ pub fn run_update(
         Backend::Ndarray => None,
     };
     // ---- minibatches with base logits, old / reference log-probs -------------------------------
+    let digit_vocab = (sft && cfg.sft_digit_class).then(|| {
+        std::sync::Arc::new(
+            (0..head.n_vocab())
+                .map(|v| f32::from(u8::from(head.is_digit_token(v))))
+                .collect::<Vec<f32>>(),
+        )
+    });
     let mut order: Vec<usize> = (0..sessions.len()).filter(|&i| keep[i]).collect();
     if order.is_empty() {
         return Err(Error::Invalid(
@@ -874,6 +905,8 @@ pub fn run_update(
             tokens: Vec::with_capacity(n),
             batch: TokenBatch::default(),
             states: Vec::new(),
+            digit_class: Vec::new(),
+            digit_vocab: digit_vocab.clone(),
         };
         let mut gens = Vec::new();
         for (si, &i) in take.iter().enumerate() {
@@ -893,6 +926,10 @@ pub fn run_update(
                     );
                 }
                 turn_counter += 1;
+                if sft && cfg.sft_digit_class {
+                    mb.digit_class
+                        .extend(turn.tokens.iter().map(|&t| head.is_digit_token(t)));
+                }
                 mb.tokens.extend_from_slice(&turn.tokens);
                 rows.extend(turn.h.iter().copied());
                 gens.push((turn.adapter_id, turn.tokens.len(), turn.logp_full.clone()));
@@ -990,6 +1027,26 @@ pub fn run_update(
                         stats = Some(surrogate(&cfg.objective, &mb.batch, &lp64).2);
                     }
                     out
+                }
+                None if mb.digit_vocab.is_some() => {
+                    let w: Vec<f32> = aggregation_weights(&mb.batch, Aggregation::TokenMean)
+                        .iter()
+                        .map(|&x| x as f32)
+                        .collect();
+                    let digit: Vec<bool> = (0..head.n_vocab())
+                        .map(|v| head.is_digit_token(v))
+                        .collect();
+                    lora_class_ce_and_grad(
+                        mb.base.view(),
+                        mb.h.view(),
+                        &mb.tokens,
+                        current.a.view(),
+                        current.b.view(),
+                        scale,
+                        &w,
+                        &mb.digit_class,
+                        &digit,
+                    )
                 }
                 None => lora_loss_and_grad_entropy(
                     mb.base.view(),
