@@ -486,25 +486,24 @@ mod tests {
             a.mapv(|x| x as f32),
             b.mapv(|x| x as f32),
         );
-        let (loss, _, da, _) = ce
-            .run(&StepInputs {
-                base: bf.view(),
-                h: hf.view(),
-                a: af.view(),
-                b: bbf.view(),
-                scale: scale as f32,
-                tokens: &tokens,
-                w: f32v(&w),
-                old: vec![],
-                adv: vec![],
-                lo: vec![],
-                hi: vec![],
-                gmat: None,
-                kl: None,
-                entropy: None,
-                digit_class: None,
-            })
-            .unwrap();
+        let ce_inputs = |digit_class| StepInputs {
+            base: bf.view(),
+            h: hf.view(),
+            a: af.view(),
+            b: bbf.view(),
+            scale: scale as f32,
+            tokens: &tokens,
+            w: f32v(&w),
+            old: vec![],
+            adv: vec![],
+            lo: vec![],
+            hi: vec![],
+            gmat: None,
+            kl: None,
+            entropy: None,
+            digit_class,
+        };
+        let (loss, _, da, _) = ce.run(&ce_inputs(None)).unwrap();
         assert!((loss as f64 - l_ref).abs() < 1e-4 * (1.0 + l_ref.abs()));
         for (x, y) in da.iter().zip(da_ref.iter()) {
             assert!((*x as f64 - y).abs() < 2e-4 * (1.0 + y.abs()));
@@ -536,23 +535,7 @@ mod tests {
                 .collect::<Vec<f32>>()
         };
         let (loss, lp, da, db) = dc
-            .run(&StepInputs {
-                base: bf.view(),
-                h: hf.view(),
-                a: af.view(),
-                b: bbf.view(),
-                scale: scale as f32,
-                tokens: &tokens,
-                w: f32v(&w),
-                old: vec![],
-                adv: vec![],
-                lo: vec![],
-                hi: vec![],
-                gmat: None,
-                kl: None,
-                entropy: None,
-                digit_class: Some((f01(&digit), f01(&class))),
-            })
+            .run(&ce_inputs(Some((f01(&digit), f01(&class)))))
             .unwrap();
         let close = |x: f64, y: f64| (x - y).abs() <= 2e-4 * (1.0 + y.abs());
         assert!(

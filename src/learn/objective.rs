@@ -444,6 +444,56 @@ mod tests {
     use super::*;
     use crate::policy::sampler::Rng;
 
+    /// Random base logits `[t, v]`, features `[t, d]`, LoRA A `[r, d]` and B `[v, r]` (B's
+    /// entries in ±`b_scale`).
+    fn random_problem(
+        (t, v, d, r): (usize, usize, usize, usize),
+        seed: u64,
+        b_scale: f64,
+    ) -> [Array2<f64>; 4] {
+        let mut rng = Rng::new(seed);
+        let mut rand = |shape: (usize, usize), s: f64| {
+            Array2::from_shape_fn(shape, |_| (rng.next_f64() * 2.0 - 1.0) * s)
+        };
+        [
+            rand((t, v), 2.0),
+            rand((t, d), 1.0),
+            rand((r, d), 0.5),
+            rand((v, r), b_scale),
+        ]
+    }
+
+    /// Asserts that `grad[i, j]` is the central difference of `f` at `x` for every `(i, j)` of
+    /// `at`, within `tol · (1 + |fd|)`.
+    fn assert_central_differences(
+        what: &str,
+        x: &Array2<f64>,
+        grad: &Array2<f64>,
+        at: &[(usize, usize)],
+        tol: f64,
+        f: impl Fn(&Array2<f64>) -> f64,
+    ) {
+        let eps = 1e-6;
+        for &(i, j) in at {
+            let (mut xp, mut xm) = (x.clone(), x.clone());
+            xp[[i, j]] += eps;
+            xm[[i, j]] -= eps;
+            let fd = (f(&xp) - f(&xm)) / (2.0 * eps);
+            assert!(
+                (fd - grad[[i, j]]).abs() < tol * (1.0 + fd.abs()),
+                "{what}[{i},{j}] fd {fd} vs {}",
+                grad[[i, j]]
+            );
+        }
+    }
+
+    /// Every index of a `rows × cols` matrix.
+    fn all_indices(rows: usize, cols: usize) -> Vec<(usize, usize)> {
+        (0..rows)
+            .flat_map(|i| (0..cols).map(move |j| (i, j)))
+            .collect()
+    }
+
     fn cfg(g: Granularity, c: ClipMode, agg: Aggregation) -> ObjectiveConfig {
         ObjectiveConfig {
             granularity: g,
@@ -540,17 +590,7 @@ mod tests {
 
     #[test]
     fn entropy_bonus_gradient_matches_finite_differences() {
-        let (t, v, d, r) = (3, 6, 4, 2);
-        let mut rng = Rng::new(21);
-        let mut rand = |n: usize, s: f64| {
-            (0..n)
-                .map(|_| (rng.next_f64() * 2.0 - 1.0) * s)
-                .collect::<Vec<f64>>()
-        };
-        let base = Array2::from_shape_vec((t, v), rand(t * v, 2.0)).unwrap();
-        let h = Array2::from_shape_vec((t, d), rand(t * d, 1.0)).unwrap();
-        let a = Array2::from_shape_vec((r, d), rand(r * d, 0.5)).unwrap();
-        let b = Array2::from_shape_vec((v, r), rand(v * r, 0.5)).unwrap();
+        let [base, h, a, b] = random_problem((3, 6, 4, 2), 21, 0.5);
         let tokens = vec![0, 5, 2];
         let w = vec![0.2, 0.3, 0.5];
         let f = |b: &Array2<f64>| {
@@ -566,18 +606,7 @@ mod tests {
             )
         };
         let (_, _, _, db) = f(&b);
-        let eps = 1e-6;
-        for (i, j) in [(0, 0), (3, 1), (5, 0)] {
-            let (mut bp, mut bm) = (b.clone(), b.clone());
-            bp[[i, j]] += eps;
-            bm[[i, j]] -= eps;
-            let fd = (f(&bp).0 - f(&bm).0) / (2.0 * eps);
-            assert!(
-                (fd - db[[i, j]]).abs() < 1e-6 * (1.0 + fd.abs()),
-                "dB[{i},{j}] fd {fd} vs {}",
-                db[[i, j]]
-            );
-        }
+        assert_central_differences("dB", &b, &db, &[(0, 0), (3, 1), (5, 0)], 1e-6, |b| f(b).0);
     }
 
     #[test]
@@ -647,17 +676,8 @@ mod tests {
             );
         }
 
-        let (t, v, d, r) = (5, 12, 6, 3);
-        let mut rng = Rng::new(21);
-        let mut rnd = |n: usize, s: f64| {
-            (0..n)
-                .map(|_| (rng.next_f64() * 2.0 - 1.0) * s)
-                .collect::<Vec<f64>>()
-        };
-        let base = Array2::from_shape_vec((t, v), rnd(t * v, 2.0)).unwrap();
-        let h = Array2::from_shape_vec((t, d), rnd(t * d, 1.0)).unwrap();
-        let a = Array2::from_shape_vec((r, d), rnd(r * d, 0.5)).unwrap();
-        let b = Array2::from_shape_vec((v, r), rnd(v * r, 0.5)).unwrap();
+        let (v, d, r) = (12, 6, 3);
+        let [base, h, a, b] = random_problem((5, v, d, r), 21, 0.5);
         let digit: Vec<bool> = (0..v).map(|i| i % 3 == 0).collect();
         let tokens = [0, 4, 3, 6, 1];
         let class = [true, false, true, true, false];
@@ -674,63 +694,17 @@ mod tests {
                 &class,
                 &digit,
             )
-            .0
         };
-        let (_, _, da, db) = lora_class_ce_and_grad(
-            base.view(),
-            h.view(),
-            &tokens,
-            a.view(),
-            b.view(),
-            1.5,
-            &w,
-            &class,
-            &digit,
-        );
-        let eps = 1e-6;
-        for i in 0..r {
-            for j in 0..d {
-                let (mut ap, mut am) = (a.clone(), a.clone());
-                ap[[i, j]] += eps;
-                am[[i, j]] -= eps;
-                let fd = (f(&ap, &b) - f(&am, &b)) / (2.0 * eps);
-                assert!(
-                    (fd - da[[i, j]]).abs() < 1e-6,
-                    "dA {i},{j}: {fd} vs {}",
-                    da[[i, j]]
-                );
-            }
-        }
-        for i in 0..v {
-            for j in 0..r {
-                let (mut bp, mut bm) = (b.clone(), b.clone());
-                bp[[i, j]] += eps;
-                bm[[i, j]] -= eps;
-                let fd = (f(&a, &bp) - f(&a, &bm)) / (2.0 * eps);
-                assert!(
-                    (fd - db[[i, j]]).abs() < 1e-6,
-                    "dB {i},{j}: {fd} vs {}",
-                    db[[i, j]]
-                );
-            }
-        }
+        let (_, _, da, db) = f(&a, &b);
+        assert_central_differences("dA", &a, &da, &all_indices(r, d), 1e-6, |a| f(a, &b).0);
+        assert_central_differences("dB", &b, &db, &all_indices(v, r), 1e-6, |b| f(&a, b).0);
     }
 
     /// The full step (LoRA forward, log-softmax, surrogate, backward) against central finite
     /// differences in f64, for every granularity and clip mode.
     #[test]
     fn lora_step_gradient_matches_finite_differences() {
-        let (t, v, d, r) = (6, 9, 5, 2);
-        let mut rng = Rng::new(4);
-        let mut rand = |n: usize, s: f64| {
-            (0..n)
-                .map(|_| (rng.next_f64() * 2.0 - 1.0) * s)
-                .collect::<Vec<f64>>()
-        };
-        let base = Array2::from_shape_vec((t, v), rand(t * v, 2.0)).unwrap();
-        let h = Array2::from_shape_vec((t, d), rand(t * d, 1.0)).unwrap();
-        let a = Array2::from_shape_vec((r, d), rand(r * d, 0.5)).unwrap();
-        let b0 = Array2::from_shape_vec((v, r), rand(v * r, 0.3)).unwrap();
+        let [base, h, a, b0] = random_problem((6, 9, 5, 2), 4, 0.3);
         let tokens = vec![1, 4, 4, 0, 8, 2];
         // two sessions; turns 0,1 | 2; advantages constant within a session (GSPO-compatible)
         let seq = vec![0, 0, 0, 0, 1, 1];
@@ -794,29 +768,15 @@ mod tests {
                         )
                     };
                     let (_, _, da, db) = f(&a, &b0);
-                    let eps = 1e-6;
-                    for (i, j) in [(0, 0), (1, 3), (0, 4)] {
-                        let (mut ap, mut am) = (a.clone(), a.clone());
-                        ap[[i, j]] += eps;
-                        am[[i, j]] -= eps;
-                        let fd = (f(&ap, &b0).0 - f(&am, &b0).0) / (2.0 * eps);
-                        assert!(
-                            (fd - da[[i, j]]).abs() < 1e-6 * (1.0 + fd.abs()),
-                            "{g:?} {c:?} {agg:?} dA[{i},{j}] fd {fd} vs {}",
-                            da[[i, j]]
-                        );
-                    }
-                    for (i, j) in [(0, 0), (4, 1), (8, 0), (2, 1)] {
-                        let (mut bp, mut bm) = (b0.clone(), b0.clone());
-                        bp[[i, j]] += eps;
-                        bm[[i, j]] -= eps;
-                        let fd = (f(&a, &bp).0 - f(&a, &bm).0) / (2.0 * eps);
-                        assert!(
-                            (fd - db[[i, j]]).abs() < 1e-6 * (1.0 + fd.abs()),
-                            "{g:?} {c:?} {agg:?} dB[{i},{j}] fd {fd} vs {}",
-                            db[[i, j]]
-                        );
-                    }
+                    let what = format!("{g:?} {c:?} {agg:?}");
+                    let at_a = [(0, 0), (1, 3), (0, 4)];
+                    let at_b = [(0, 0), (4, 1), (8, 0), (2, 1)];
+                    assert_central_differences(&format!("{what} dA"), &a, &da, &at_a, 1e-6, |a| {
+                        f(a, &b0).0
+                    });
+                    assert_central_differences(&format!("{what} dB"), &b0, &db, &at_b, 1e-6, |b| {
+                        f(&a, b).0
+                    });
                 }
             }
         }
