@@ -440,22 +440,11 @@ mod tests {
                     entropy: Some((f32v(&w_ent), 0.05)),
                     digit_class: None,
                 };
-                let (loss, lp, da, db) = step.run(&inputs).unwrap();
-                let close = |x: f64, y: f64| (x - y).abs() <= 2e-4 * (1.0 + y.abs());
-                assert!(
-                    close(loss as f64, l_ref),
-                    "{g:?} {c:?}: loss {loss} vs {l_ref}"
+                assert_step_matches(
+                    &format!("{g:?} {c:?}"),
+                    step.run(&inputs).unwrap(),
+                    (l_ref, &lp_ref, &da_ref, &db_ref),
                 );
-                for (x, y) in lp.iter().zip(&lp_ref) {
-                    assert!(close(*x as f64, *y), "{g:?} {c:?}: logp {x} vs {y}");
-                }
-                for (x, y) in da
-                    .iter()
-                    .zip(da_ref.iter())
-                    .chain(db.iter().zip(db_ref.iter()))
-                {
-                    assert!(close(*x as f64, *y), "{g:?} {c:?}: gradient {x} vs {y}");
-                }
             }
         }
         // cross-entropy
@@ -534,23 +523,31 @@ mod tests {
                 .map(|&x| f32::from(u8::from(x)))
                 .collect::<Vec<f32>>()
         };
-        let (loss, lp, da, db) = dc
-            .run(&ce_inputs(Some((f01(&digit), f01(&class)))))
-            .unwrap();
-        let close = |x: f64, y: f64| (x - y).abs() <= 2e-4 * (1.0 + y.abs());
-        assert!(
-            close(loss as f64, l_ref),
-            "digit class: loss {loss} vs {l_ref}"
+        assert_step_matches(
+            "digit class",
+            dc.run(&ce_inputs(Some((f01(&digit), f01(&class)))))
+                .unwrap(),
+            (l_ref, &lp_ref, &da_ref, &db_ref),
         );
-        for (x, y) in lp.iter().zip(&lp_ref) {
-            assert!(close(*x as f64, *y), "digit class: logp {x} vs {y}");
+    }
+
+    /// The ORT step's (loss, logp, ∂A, ∂B) against the f64 reference, to 2e-4 relative.
+    fn assert_step_matches(
+        what: &str,
+        (loss, lp, da, db): StepOutput,
+        (l_ref, lp_ref, da_ref, db_ref): (f64, &[f64], &Array2<f64>, &Array2<f64>),
+    ) {
+        let close = |x: f64, y: f64| (x - y).abs() <= 2e-4 * (1.0 + y.abs());
+        assert!(close(loss as f64, l_ref), "{what}: loss {loss} vs {l_ref}");
+        for (x, y) in lp.iter().zip(lp_ref) {
+            assert!(close(*x as f64, *y), "{what}: logp {x} vs {y}");
         }
         for (x, y) in da
             .iter()
             .zip(da_ref.iter())
             .chain(db.iter().zip(db_ref.iter()))
         {
-            assert!(close(*x as f64, *y), "digit class: gradient {x} vs {y}");
+            assert!(close(*x as f64, *y), "{what}: gradient {x} vs {y}");
         }
     }
 }

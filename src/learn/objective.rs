@@ -340,14 +340,11 @@ pub fn lora_loss_and_grad_entropy<F: Float + LinalgScalar + ScalarOperand>(
     entropy: Option<(&[F], F)>,
     objective: impl FnOnce(&[F]) -> (F, Vec<F>),
 ) -> (F, Vec<F>, Array2<F>, Array2<F>) {
-    let u = h.dot(&a.t()); // [T, r]
-    let mut z = base.to_owned() + &(u.dot(&b.t()) * scale); // [T, V]
+    let (u, mut z) = lora_logits(base, h, a, b, scale);
     let mut logp = Vec::with_capacity(tokens.len());
     let mut ent = Vec::with_capacity(tokens.len());
     for (mut row, &tok) in z.rows_mut().into_iter().zip(tokens) {
-        let m = row.iter().copied().fold(F::neg_infinity(), F::max);
-        let sum = row.iter().fold(F::zero(), |acc, &x| acc + (x - m).exp());
-        let lse = m + sum.ln();
+        let lse = row_logsumexp(row.view());
         logp.push(row[tok] - lse);
         if entropy.is_some() {
             // H = lse − Σ p z
@@ -381,10 +378,43 @@ pub fn lora_loss_and_grad_entropy<F: Float + LinalgScalar + ScalarOperand>(
                 .zip(w)
                 .fold(F::zero(), |acc, (&hk, &wk)| acc + hk * wk);
     }
-    let db = z.t().dot(&u) * scale; // [V, r]
-    let du = z.dot(&b) * scale; // [T, r]
-    let da = du.t().dot(&h); // [r, d]
+    let (da, db) = lora_backward(&z, &u, b, h, scale);
     (loss, logp, da, db)
+}
+
+/// The LoRA forward: `u = h Aᵀ` `[T, r]` and the logits `z = base + s · u Bᵀ` `[T, V]`.
+fn lora_logits<F: Float + LinalgScalar + ScalarOperand>(
+    base: ArrayView2<'_, F>,
+    h: ArrayView2<'_, F>,
+    a: ArrayView2<'_, F>,
+    b: ArrayView2<'_, F>,
+    scale: F,
+) -> (Array2<F>, Array2<F>) {
+    let u = h.dot(&a.t());
+    let z = base.to_owned() + &(u.dot(&b.t()) * scale);
+    (u, z)
+}
+
+/// `log Σ exp(x)` of one row, shifted by its maximum.
+fn row_logsumexp<F: Float>(row: ndarray::ArrayView1<'_, F>) -> F {
+    let m = row.iter().copied().fold(F::neg_infinity(), F::max);
+    m + row
+        .iter()
+        .fold(F::zero(), |acc, &x| acc + (x - m).exp())
+        .ln()
+}
+
+/// The LoRA backward from `dz = ∂loss/∂z`: `(∂A, ∂B)`.
+fn lora_backward<F: Float + LinalgScalar + ScalarOperand>(
+    dz: &Array2<F>,
+    u: &Array2<F>,
+    b: ArrayView2<'_, F>,
+    h: ArrayView2<'_, F>,
+    scale: F,
+) -> (Array2<F>, Array2<F>) {
+    let db = dz.t().dot(u) * scale; // [V, r]
+    let du = dz.dot(&b) * scale; // [T, r]
+    (du.t().dot(&h), db) // ∂A [r, d]
 }
 
 /// The warm start's cross-entropy with a digit class: a token `k` with `class[k]` (a digit of
@@ -405,14 +435,11 @@ pub fn lora_class_ce_and_grad<F: Float + LinalgScalar + ScalarOperand>(
     class: &[bool],
     digit: &[bool],
 ) -> (F, Vec<F>, Array2<F>, Array2<F>) {
-    let u = h.dot(&a.t()); // [T, r]
-    let mut z = base.to_owned() + &(u.dot(&b.t()) * scale); // [T, V]
+    let (u, mut z) = lora_logits(base, h, a, b, scale);
     let mut logp = Vec::with_capacity(tokens.len());
     let mut loss = F::zero();
     for (k, (mut row, &tok)) in z.rows_mut().into_iter().zip(tokens).enumerate() {
-        let m = row.iter().copied().fold(F::neg_infinity(), F::max);
-        let sum = row.iter().fold(F::zero(), |acc, &x| acc + (x - m).exp());
-        let lse = m + sum.ln();
+        let lse = row_logsumexp(row.view());
         logp.push(row[tok] - lse);
         row.mapv_inplace(|x| (x - lse).exp());
         let wk = w[k];
@@ -433,9 +460,7 @@ pub fn lora_class_ce_and_grad<F: Float + LinalgScalar + ScalarOperand>(
             row[tok] = row[tok] - wk;
         }
     }
-    let db = z.t().dot(&u) * scale; // [V, r]
-    let du = z.dot(&b) * scale; // [T, r]
-    let da = du.t().dot(&h); // [r, d]
+    let (da, db) = lora_backward(&z, &u, b, h, scale);
     (loss, logp, da, db)
 }
 

@@ -304,8 +304,8 @@ struct Minibatch {
     /// SFT with [`TrainConfig::sft_digit_class`]: per token, it is a digit and counts as the
     /// digit class (empty otherwise)
     digit_class: Vec<bool>,
-    /// with `digit_class`: per vocabulary entry, 1 for a digit token
-    digit_vocab: Option<std::sync::Arc<Vec<f32>>>,
+    /// with `digit_class`: per vocabulary entry, whether it is a digit token
+    digit_vocab: Option<std::sync::Arc<Vec<bool>>>,
 }
 
 #[derive(Clone)]
@@ -561,13 +561,8 @@ fn step_inputs<'a>(
             )
         }),
         digit_class: mb.digit_vocab.as_ref().map(|v| {
-            (
-                v.to_vec(),
-                mb.digit_class
-                    .iter()
-                    .map(|&c| f32::from(u8::from(c)))
-                    .collect(),
-            )
+            let f01 = |x: &[bool]| x.iter().map(|&c| f32::from(u8::from(c))).collect();
+            (f01(v), f01(&mb.digit_class))
         }),
     }
 }
@@ -862,8 +857,8 @@ pub fn run_update(
     let digit_vocab = (sft && cfg.sft_digit_class).then(|| {
         std::sync::Arc::new(
             (0..head.n_vocab())
-                .map(|v| f32::from(u8::from(head.is_digit_token(v))))
-                .collect::<Vec<f32>>(),
+                .map(|v| head.is_digit_token(v))
+                .collect::<Vec<bool>>(),
         )
     });
     let mut order: Vec<usize> = (0..sessions.len()).filter(|&i| keep[i]).collect();
@@ -1033,9 +1028,7 @@ pub fn run_update(
                         .iter()
                         .map(|&x| x as f32)
                         .collect();
-                    let digit: Vec<bool> = (0..head.n_vocab())
-                        .map(|v| head.is_digit_token(v))
-                        .collect();
+                    let digit = mb.digit_vocab.as_deref().map_or(&[][..], Vec::as_slice);
                     lora_class_ce_and_grad(
                         mb.base.view(),
                         mb.h.view(),
@@ -1045,7 +1038,7 @@ pub fn run_update(
                         scale,
                         &w,
                         &mb.digit_class,
-                        &digit,
+                        digit,
                     )
                 }
                 None => lora_loss_and_grad_entropy(
