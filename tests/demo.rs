@@ -360,6 +360,7 @@ fn information_gain_scored_while_playing_matches_rescoring_the_log() {
             },
             key: crate::common::session_key(),
             score_reference: true,
+            id_slot: false,
         };
         let log = LogMeta {
             group: format!("s{k}"),

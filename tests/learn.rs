@@ -253,47 +253,96 @@ fn supervised_warm_start_teaches_a_reply_format() {
         turnwise::replay::import_jsonl(&engine, &mut store, lines.as_bytes(), |_, _| {}).unwrap();
     assert_eq!(sum.imported, 48, "{:?}", sum.skipped);
 
-    let eval = |adapter: Option<(i64, Arc<Adapter>)>| {
-        engine.set_adapter(adapter).unwrap();
-        let mut hits = 0;
+    // greedy replies to the held-out phrasings: (order id, reply)
+    let play = |slot: &dyn Fn(u64) -> Option<Vec<String>>| {
         let mut rng = Rng::new(77);
-        for i in 0..20 {
-            let oid = 10000 + (rng.next_u64() % 90000);
-            let msg = held_out[i % 2].replace("{}", &oid.to_string());
-            let k = 5_000_000 + i as u64;
-            let g = engine
-                .generate(
-                    k,
-                    vec![
-                        Message::new(Role::System, "Reply with one action line."),
-                        Message::new(Role::User, msg),
-                    ],
-                    SamplerParams {
-                        temperature: 0.0,
-                        max_tokens: 12,
-                        ..Default::default()
-                    },
-                    None,
-                )
-                .unwrap();
-            engine.close(k);
-            hits += usize::from(g.reply.text.trim() == format!("ACTION refund {oid}"));
-        }
-        hits
+        (0..20)
+            .map(|i| {
+                let oid = 10000 + (rng.next_u64() % 90000);
+                let msg = held_out[i % 2].replace("{}", &oid.to_string());
+                let k = 5_000_000 + i as u64;
+                let g = engine
+                    .generate(
+                        k,
+                        vec![
+                            Message::new(Role::System, "Reply with one action line."),
+                            Message::new(Role::User, msg),
+                        ],
+                        SamplerParams {
+                            temperature: 0.0,
+                            max_tokens: 12,
+                            id_slot: slot(oid),
+                            ..Default::default()
+                        },
+                        None,
+                    )
+                    .unwrap();
+                engine.close(k);
+                (oid, g.reply)
+            })
+            .collect::<Vec<_>>()
     };
-    let before = eval(None);
+    let hits = |replies: &[(u64, turnwise::policy::Reply)]| {
+        replies
+            .iter()
+            .filter(|(oid, r)| r.text.trim() == format!("ACTION refund {oid}"))
+            .count()
+    };
+    engine.set_adapter(None).unwrap();
+    let before = hits(&play(&|_| None));
     let mut cfg = TrainConfig::preset(Algo::Sft);
     cfg.epochs = 40;
     let r = train(&mut store, &db, None, &cfg).unwrap();
     let id = r.adapter_id.unwrap();
-    let ad = Adapter::load(&adapter_dir(&db, id)).unwrap();
-    let after = eval(Some((id, Arc::new(ad))));
+    let ad = Arc::new(Adapter::load(&adapter_dir(&db, id)).unwrap());
+    engine.set_adapter(Some((id, ad.clone()))).unwrap();
+    let after = hits(&play(&|_| None));
     eprintln!(
         "held-out greedy exact match: base {before}/20, after SFT {after}/20; diagnostics {}",
         r.diagnostics
     );
     assert_eq!(before, 0);
     assert!(after >= 18, "after SFT {after}/20");
+
+    // The id slot with the trained adapter: with the shown id as the only candidate every
+    // reply is still the exact action line; with a wrong candidate the model cannot write the
+    // id it was shown — the slot holds a prefix of the candidate or no digit at all.
+    assert!(hits(&play(&|oid| Some(vec![oid.to_string()]))) >= after);
+    let wrong = vec!["99999".to_string()];
+    let replies = play(&|_| Some(wrong.clone()));
+    let n_embd = engine.info().n_embd;
+    let reached = replies
+        .iter()
+        .filter(|(_, r)| r.text.starts_with("ACTION refund"))
+        .count();
+    assert!(
+        reached >= 18,
+        "only {reached}/20 replies reached the id slot"
+    );
+    for (oid, r) in &replies {
+        assert!(!r.text.contains(&oid.to_string()), "{:?}", r.text);
+        assert!(sampler::id_slot_allows(&r.text, &wrong), "{:?}", r.text);
+        // the full log-prob is the unconstrained softmax of base + adapter, recomputed from
+        // the stored hidden states; the behaviour log-prob (greedy: 0) is the constrained one
+        let base = head()
+            .base_logits(
+                Array2::from_shape_vec((r.tokens.len(), n_embd), r.hidden.clone())
+                    .unwrap()
+                    .view(),
+            )
+            .unwrap();
+        for (i, &tok) in r.tokens.iter().enumerate() {
+            let mut row: Vec<f32> = base.row(i).to_vec();
+            ad.apply(&r.hidden[i * n_embd..(i + 1) * n_embd], &mut row);
+            let full = row[tok as usize] as f64 - sampler::logsumexp(&row);
+            assert!(
+                (full - r.logp_full[i] as f64).abs() < 2e-3,
+                "{full} {}",
+                r.logp_full[i]
+            );
+            assert_eq!(r.logp_behavior[i], 0.0);
+        }
+    }
 }
 
 /// Mean change of the log-prob of logged replies (teacher-forced from features) under the new

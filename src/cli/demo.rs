@@ -81,6 +81,12 @@ pub struct DemoArgs {
     /// evaluations copy them; exploration stays on the words)
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     greedy_digits: OnOff,
+    /// Order ids go through the id slot: the digits after `ACTION <verb>` may only spell a
+    /// number the customer or the back office wrote in the session (rollouts, evaluations and
+    /// the gate alike; the policy still picks which number, and whether to act before one was
+    /// given)
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    id_slot: OnOff,
     /// Validation gate: activate a candidate only if its greedy success on N fresh
     /// validation-template scenarios (phrasings that neither the rollouts nor the held-out set
     /// use) is at least the active adapter's on the same ones (default 32, --quick 0; 0: the KL
@@ -172,6 +178,7 @@ impl DemoArgs {
         }
         c.dr_grpo = self.dr_grpo == OnOff::On;
         c.greedy_digits = self.greedy_digits == OnOff::On;
+        c.id_slot = self.id_slot == OnOff::On;
         c.warm_digit_class = self.warm_digits == WarmDigits::Class;
         if let Some(m) = self.mask_digits {
             c.mask_digits = m == DigitMask::On;

@@ -210,9 +210,12 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
     let _ = writeln!(
         s,
         "Model `{}`; {} held-out scenarios (templates never used in training), greedy replies, at most {} agent replies of {} tokens. \
+         Order ids written through the id slot (numbers of the conversation only): {}. \
          Warm start: {} scripted-expert demonstrations, {} epochs of supervised fine-tuning{}. \
          RL: {} scenarios × {} rollouts per iteration at temperature {}{}, lr {}, {} epochs, process signal `{:?}`, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
-        r.model, c.eval_scenarios, c.patience, c.max_tokens, c.demos, c.warm_epochs,
+        r.model, c.eval_scenarios, c.patience, c.max_tokens,
+        if c.id_slot { "on" } else { "off" },
+        c.demos, c.warm_epochs,
         if c.warm_digit_class { " (digits as a class)" } else { "" },
         c.scenarios_per_iter, c.group_size, c.temperature,
         if c.greedy_digits { " (digits greedy)" } else { "" },

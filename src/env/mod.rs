@@ -281,7 +281,12 @@ impl Scenario {
     }
 
     /// The customer's answer to an agent reply that took no action: the order id or the new
-    /// address when asked for, else a nudge.
+    /// address when asked for, else a nudge. An address change's customer names the order with
+    /// the new address ("The new address for order 92141 is 7 Harbour Road."), in the order the
+    /// action line takes them: copying an id from several messages back is beyond the
+    /// output-projection adapter (measured: 0 of 136 training rollouts and 0 of 14 held-out
+    /// address changes solved while the answer held the address alone; the model wrote the
+    /// street number where the id goes).
     pub fn answer(&self, agent_reply: &str) -> String {
         let r = agent_reply.to_lowercase();
         // any question about the order, or an explicit request for its number
@@ -291,13 +296,19 @@ impl Scenario {
             || (r.contains('?') && r.contains("order"));
         let asks_address = r.contains("address");
         if asks_address && self.intent == Intent::AddressChange {
-            return format!("The new address is {}.", self.new_address);
+            return format!(
+                "The new address for order {} is {}.",
+                self.order.id, self.new_address
+            );
         }
         if asks_id {
             return format!("It's order {}.", self.order.id);
         }
         match self.intent {
-            Intent::AddressChange => format!("Please update it to {}.", self.new_address),
+            Intent::AddressChange => format!(
+                "Please send order {} to {}.",
+                self.order.id, self.new_address
+            ),
             _ => "Can you just take care of it, please?".to_string(),
         }
     }
@@ -427,6 +438,16 @@ pub fn outcome(s: &Scenario, final_order: &Order, actions: &[Action]) -> f64 {
         }
     };
     f64::from(u8::from(ok))
+}
+
+/// The numbers in `text` that have the order-id format (5 digits, 10000–99999), each once, in
+/// order of first appearance: what the id slot of an action line may spell
+/// ([`crate::policy::sampler::SamplerParams::id_slot`]).
+pub fn order_ids_in(text: &str) -> Vec<String> {
+    crate::policy::sampler::numbers_in(text)
+        .into_iter()
+        .filter(|n| n.len() == 5 && !n.starts_with('0'))
+        .collect()
 }
 
 /// Format term: −0.1 per malformed action call.
@@ -692,9 +713,25 @@ mod tests {
                 }
             }
         }
+        assert_eq!(
+            order_ids_in("I paid 59 dollars for order 94615 (not 09461 or 946150), order 94615."),
+            vec!["94615"]
+        );
         let s = &draw(9, Split::Train)[0];
         assert!(s
             .answer("Could you give me your order number?")
             .contains(&s.order.id.to_string()));
+        // an address change's customer names the order with the new address, id first
+        let d = draw(40, Split::Train);
+        let a = d
+            .iter()
+            .find(|s| s.intent == Intent::AddressChange)
+            .expect("an address change in 200 draws");
+        let id = a.order.id.to_string();
+        for reply in ["What is the new delivery address?", "Okay."] {
+            let ans = a.answer(reply);
+            let (i, j) = (ans.find(&id), ans.find(&a.new_address));
+            assert!(i.is_some() && j.is_some() && i < j, "{ans}");
+        }
     }
 }

@@ -397,6 +397,8 @@ struct Worker {
     eog: Vec<Token>,
     /// per token id: its piece writes only digits (for `greedy_digits`)
     digits: Vec<bool>,
+    /// per token id: its text (for the id slot of `SamplerParams::id_slot`)
+    pieces: Vec<String>,
     /// tokens currently in the KV cache
     cached: Vec<Token>,
     /// adapter applied to the logits before sampling
@@ -453,12 +455,16 @@ impl Worker {
                 std::str::from_utf8(&piece).is_ok_and(is_digit_piece)
             })
             .collect();
+        let pieces = (0..model.n_vocab() as Token)
+            .map(|t| String::from_utf8_lossy(&model.piece(t, false)).into_owned())
+            .collect();
         Ok(Worker {
             assistant_opening,
             turn_end,
             act_type,
             eog,
             digits,
+            pieces,
             n_embd: model.n_embd(),
             ctx,
             model,
@@ -718,7 +724,22 @@ impl Worker {
             }
             let digits = &self.digits;
             let is_digit = |t: i32| usize::try_from(t).is_ok_and(|t| digits.get(t) == Some(&true));
-            let s = sampler::sample_with(&logits, p, &mut rng, &is_digit);
+            let slotted = match &p.id_slot {
+                Some(c) if sampler::id_slot_open(&text) => self.mask_id_slot(&logits, &text, c),
+                _ => None,
+            };
+            let mut s = sampler::sample_with(
+                slotted.as_deref().unwrap_or(&logits),
+                p,
+                &mut rng,
+                &is_digit,
+            );
+            if slotted.is_some() {
+                // the full log-prob stays that of the unconstrained softmax, as the learner
+                // computes it; the behaviour log-prob is the constrained distribution's
+                s.logp_full =
+                    (logits[s.token as usize] as f64 - sampler::logsumexp(&logits)) as f32;
+            }
             tokens.push(s.token);
             lb.push(s.logp_behavior);
             lf.push(s.logp_full);
@@ -768,6 +789,31 @@ impl Worker {
             adapter_id: adapter.map(|(id, _)| id),
         };
         Ok((conv, reply))
+    }
+
+    /// `logits` with every token masked that would put a number outside `candidates` into the
+    /// order-id slot of `text` ([`sampler::id_slot_allows`]); `None` when nothing is masked or
+    /// everything would be.
+    fn mask_id_slot(&self, logits: &[f32], text: &str, candidates: &[String]) -> Option<Vec<f32>> {
+        let end_ok = sampler::id_slot_allows(&format!("{text}\n"), candidates);
+        let mut buf = String::with_capacity(text.len() + 16);
+        let mut masked = logits.to_vec();
+        let mut changed = false;
+        for (t, l) in masked.iter_mut().enumerate() {
+            let ok = if self.model.is_eog(t as Token) {
+                end_ok
+            } else {
+                buf.clear();
+                buf.push_str(text);
+                buf.push_str(&self.pieces[t]);
+                sampler::id_slot_allows(&buf, candidates)
+            };
+            if !ok && l.is_finite() {
+                *l = f32::NEG_INFINITY;
+                changed = true;
+            }
+        }
+        (changed && masked.iter().any(|l| l.is_finite())).then_some(masked)
     }
 
     fn score_reference(

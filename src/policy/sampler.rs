@@ -32,6 +32,10 @@ pub struct SamplerParams {
     /// them, and the randomness stays on the words (RL rollouts explore decisions, not digit
     /// noise)
     pub greedy_digits: bool,
+    /// the order-id slot of an `ACTION <verb> <id>` line may only spell one of these numbers
+    /// (the numbers the conversation holds: a pointer into the context, as a tool schema with
+    /// an enum argument constrains a call); `None`: unconstrained. See [`id_slot_allows`].
+    pub id_slot: Option<Vec<String>>,
 }
 
 impl Default for SamplerParams {
@@ -45,8 +49,72 @@ impl Default for SamplerParams {
             stop: Vec::new(),
             ignore_eog: false,
             greedy_digits: false,
+            id_slot: None,
         }
     }
+}
+
+/// The verbs whose action line takes an order id (`ACTION <verb> <id>`).
+const ID_VERBS: [&str; 4] = ["status", "refund", "cancel", "address"];
+
+/// Whether `text` (a reply so far) respects the order-id slot: in its first `ACTION <verb> <id>`
+/// line with an id-taking verb, the run of digits after the verb and its spaces must be a
+/// prefix of one of `candidates` while it is still open and one of them once something else
+/// follows it. A verb followed by no digits (words, a line end) is allowed: the line is then a
+/// malformed call, answered with an error like any other. With no candidates no digit can be
+/// written into the slot.
+pub fn id_slot_allows(text: &str, candidates: &[String]) -> bool {
+    let Some(at) = text.find("ACTION") else {
+        return true;
+    };
+    let rest = text[at + "ACTION".len()..].trim_start_matches([' ', '\t']);
+    let verb_len = rest
+        .find(|c: char| !c.is_ascii_alphabetic())
+        .unwrap_or(rest.len());
+    let verb = rest[..verb_len].to_ascii_lowercase();
+    if !ID_VERBS.contains(&verb.as_str()) {
+        return true;
+    }
+    let after = &rest[verb_len..];
+    let slot = after.trim_start_matches([' ', '\t']);
+    if slot.len() == after.len() {
+        // the verb runs on into something other than a space (or nothing yet)
+        return true;
+    }
+    let n = slot
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(slot.len());
+    let digits = &slot[..n];
+    if digits.is_empty() {
+        return true;
+    }
+    if n < slot.len() {
+        candidates.iter().any(|c| c == digits)
+    } else {
+        candidates.iter().any(|c| c.starts_with(digits))
+    }
+}
+
+/// Whether the next token can matter to the id slot of `text`: the first `ACTION` of the reply
+/// is followed only by letters, spaces and digits so far (a verb being written, or the slot).
+pub fn id_slot_open(text: &str) -> bool {
+    text.find("ACTION").is_some_and(|at| {
+        text[at + "ACTION".len()..]
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == ' ' || c == '\t')
+    })
+}
+
+/// The numbers in `text` (maximal runs of ASCII digits), in order of first appearance, each
+/// once: the candidates of [`SamplerParams::id_slot`].
+pub fn numbers_in(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for run in text.split(|c: char| !c.is_ascii_digit()) {
+        if !run.is_empty() && !out.iter().any(|o| o == run) {
+            out.push(run.to_string());
+        }
+    }
+    out
 }
 
 /// A deterministic SplitMix64 random stream.
@@ -336,6 +404,46 @@ mod tests {
             vec![1, 3, 4, 0, 5]
         );
         assert_eq!(distribution(&l, &params(0.0, 1.0, 0))[0].0, 1);
+    }
+
+    #[test]
+    fn id_slot_takes_only_numbers_of_the_conversation() {
+        let c = numbers_in("It's order 17694, I paid 23 dollars for 2 lamps (order 17694).");
+        assert_eq!(c, vec!["17694", "23", "2"]);
+        // outside an id-taking action line anything goes
+        for t in [
+            "Could you give me 99999?",
+            "ACTION decline 55555",
+            "ACTIONS 3",
+            "",
+        ] {
+            assert!(id_slot_allows(t, &c), "{t}");
+        }
+        // an open slot: prefixes of a candidate only
+        assert!(id_slot_allows("ACTION status 1769", &c));
+        assert!(id_slot_allows("ACTION  refund\t2", &c));
+        assert!(!id_slot_allows("ACTION status 1768", &c));
+        assert!(!id_slot_allows("ACTION status 8", &c));
+        // a closed slot: a whole candidate only
+        assert!(id_slot_allows("ACTION cancel 17694\nThanks", &c));
+        assert!(id_slot_allows("ACTION cancel 23.", &c));
+        assert!(!id_slot_allows("ACTION cancel 1769.", &c));
+        assert!(!id_slot_allows("ACTION status 176944", &c));
+        // only the first digit run is the slot (an address's street number is free)
+        assert!(id_slot_allows("ACTION address 17694 7 Harbour Road", &c));
+        // no digits in the slot: a malformed call, allowed
+        assert!(id_slot_allows("ACTION status please", &c));
+        assert!(id_slot_allows("ACTION status", &c));
+        assert!(id_slot_allows("ACTION status\n", &c));
+        // no candidates: no digit at all
+        assert!(!id_slot_allows("ACTION status 1", &[]));
+        assert!(id_slot_allows("ACTION status ", &[]));
+        // only the first ACTION line counts, as for the parser
+        assert!(id_slot_allows("ACTION status 17694\nACTION refund 5", &c));
+        assert!(id_slot_open("Sure. ACTION stat"));
+        assert!(id_slot_open("ACTION status 176"));
+        assert!(!id_slot_open("ACTION status 17694."));
+        assert!(!id_slot_open("no action here"));
     }
 
     #[test]

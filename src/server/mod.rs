@@ -265,6 +265,7 @@ fn sampler(req: &ChatRequest, limit: usize) -> ApiResult<SamplerParams> {
         stop,
         ignore_eog: false,
         greedy_digits: false,
+        id_slot: None,
     };
     if !(0.0..=2.0).contains(&p.temperature) || !(0.0..=1.0).contains(&p.top_p) || p.top_p == 0.0 {
         return Err(ApiError::bad(
