@@ -396,8 +396,8 @@ pub struct PlaySettings {
     /// the engine's KV cache: only the reference line is decoded, where annotating the log
     /// afterwards decodes the whole session again
     pub score_reference: bool,
-    /// constrain every reply's order-id slot to the numbers of the conversation so far
-    /// ([`DemoConfig::id_slot`])
+    /// constrain every reply's order-id slot to the order ids the conversation holds so far
+    /// ([`DemoConfig::id_slot`], [`env::order_ids_in`])
     pub id_slot: bool,
 }
 

@@ -210,7 +210,7 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
     let _ = writeln!(
         s,
         "Model `{}`; {} held-out scenarios (templates never used in training), greedy replies, at most {} agent replies of {} tokens. \
-         Order ids written through the id slot (numbers of the conversation only): {}. \
+         Order ids written through the id slot (only ids the conversation holds): {}. \
          Warm start: {} scripted-expert demonstrations, {} epochs of supervised fine-tuning{}. \
          RL: {} scenarios × {} rollouts per iteration at temperature {}{}, lr {}, {} epochs, process signal `{:?}`, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
         r.model, c.eval_scenarios, c.patience, c.max_tokens,
