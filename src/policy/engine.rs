@@ -397,8 +397,9 @@ struct Worker {
     eog: Vec<Token>,
     /// per token id: its piece writes only digits (for `greedy_digits`)
     digits: Vec<bool>,
-    /// per token id: its text (for the id slot of `SamplerParams::id_slot`)
-    pieces: Vec<String>,
+    /// the tokens whose text holds an ASCII digit, with that text: the only ones that can
+    /// write into the id slot of `SamplerParams::id_slot` (every other token can only end it)
+    digit_pieces: Vec<(usize, String)>,
     /// tokens currently in the KV cache
     cached: Vec<Token>,
     /// adapter applied to the logits before sampling
@@ -449,22 +450,22 @@ impl Worker {
         let eog = (0..model.n_vocab() as Token)
             .filter(|&t| model.is_eog(t))
             .collect();
-        let digits = (0..model.n_vocab() as Token)
-            .map(|t| {
-                let piece = model.piece(t, false);
-                std::str::from_utf8(&piece).is_ok_and(is_digit_piece)
-            })
-            .collect();
-        let pieces = (0..model.n_vocab() as Token)
-            .map(|t| String::from_utf8_lossy(&model.piece(t, false)).into_owned())
-            .collect();
+        let mut digits = Vec::with_capacity(model.n_vocab());
+        let mut digit_pieces = Vec::new();
+        for t in 0..model.n_vocab() as Token {
+            let piece = String::from_utf8_lossy(&model.piece(t, false)).into_owned();
+            digits.push(is_digit_piece(&piece));
+            if piece.bytes().any(|b| b.is_ascii_digit()) && !model.is_eog(t) {
+                digit_pieces.push((t as usize, piece));
+            }
+        }
         Ok(Worker {
             assistant_opening,
             turn_end,
             act_type,
             eog,
             digits,
-            pieces,
+            digit_pieces,
             n_embd: model.n_embd(),
             ctx,
             model,
@@ -793,26 +794,31 @@ impl Worker {
 
     /// `logits` with every token masked that would put a number outside `candidates` into the
     /// order-id slot of `text` ([`sampler::id_slot_allows`]); `None` when nothing is masked or
-    /// everything would be.
+    /// everything would be. A token without a digit cannot write into the slot, only end it,
+    /// so all of them share one verdict (that of ending the line here); only the tokens with a
+    /// digit are checked one by one.
     fn mask_id_slot(&self, logits: &[f32], text: &str, candidates: &[String]) -> Option<Vec<f32>> {
         let end_ok = sampler::id_slot_allows(&format!("{text}\n"), candidates);
+        let mut masked = if end_ok {
+            logits.to_vec()
+        } else {
+            vec![f32::NEG_INFINITY; logits.len()]
+        };
         let mut buf = String::with_capacity(text.len() + 16);
-        let mut masked = logits.to_vec();
-        let mut changed = false;
-        for (t, l) in masked.iter_mut().enumerate() {
-            let ok = if self.model.is_eog(t as Token) {
-                end_ok
+        for (t, piece) in &self.digit_pieces {
+            buf.clear();
+            buf.push_str(text);
+            buf.push_str(piece);
+            masked[*t] = if sampler::id_slot_allows(&buf, candidates) {
+                logits[*t]
             } else {
-                buf.clear();
-                buf.push_str(text);
-                buf.push_str(&self.pieces[t]);
-                sampler::id_slot_allows(&buf, candidates)
+                f32::NEG_INFINITY
             };
-            if !ok && l.is_finite() {
-                *l = f32::NEG_INFINITY;
-                changed = true;
-            }
         }
+        let changed = masked
+            .iter()
+            .zip(logits)
+            .any(|(m, l)| m.to_bits() != l.to_bits());
         (changed && masked.iter().any(|l| l.is_finite())).then_some(masked)
     }
 
