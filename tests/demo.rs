@@ -210,6 +210,19 @@ fn two_engines_log_every_session_and_reproduce_a_seeded_run() {
         "{}",
         show(&o)
     );
+    // a clip range that is not one is refused before anything runs
+    let o = turnwise(&dir.path().join("unused.db"))
+        .args(["demo", "--quick", "--eps-low", "1.5", "--out"])
+        .arg(dir.path().join("run2"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--eps-low must lie in (0, 1)"),
+        "{}",
+        show(&o)
+    );
+    assert!(!dir.path().join("run2").exists());
 }
 
 /// The validation gate: a candidate is activated exactly when its greedy validation success
@@ -225,11 +238,54 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
         "3",
         "--iterations",
         "3",
+        "--scenarios",
+        "5",
+        "--stratify",
+        "on",
+        "--eps-low",
+        "0.05",
+        "--eps-high",
+        "0.07",
     ]);
     let store = Store::open(&out.join("turnwise.db")).unwrap();
+    // --stratify: the five scenarios of an iteration ask for the five intents (drawn at random,
+    // all five differ in 4 % of iterations); --eps-*: every RL update ran with the clip range
+    // asked for
+    let intents: Vec<(i64, String, i64)> = store
+        .connection()
+        .prepare(
+            "SELECT json_extract(metadata, '$.iteration') AS it,
+                    json_extract(metadata, '$.intent'), count(*)
+             FROM sessions WHERE source = 'demo' GROUP BY 1, 2 ORDER BY 1",
+        )
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(intents.len(), 3 * 5, "{intents:?}");
+    assert!(intents.iter().all(|i| i.2 == 2), "{intents:?}");
+    let eps: Vec<(String, f64, f64)> = store
+        .connection()
+        .prepare(
+            "SELECT algo, json_extract(config, '$.objective.eps_low'),
+                    json_extract(config, '$.objective.eps_high') FROM updates ORDER BY id",
+        )
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(eps.len(), 4, "{eps:?}");
+    assert!(
+        eps[1..]
+            .iter()
+            .all(|e| e.0 == "a2tgpo" && e.1 == 0.05 && e.2 == 0.07),
+        "{eps:?}"
+    );
     let iterations = result["iterations"].as_array().unwrap();
     assert_eq!(iterations.len(), 3);
-    let per_iteration = 2 * 2; // --quick: 2 scenarios × 2 rollouts
+    let per_iteration = 5 * 2; // 5 scenarios × 2 rollouts (--quick)
     let mut active = result["warm_adapter"].as_i64().unwrap();
     let mut kept = 0;
     for it in iterations {
@@ -256,6 +312,11 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
     let report = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(
         report.contains("validation (candidate / active)"),
+        "{report}"
+    );
+    assert!(
+        report.contains("5 scenarios (intents balanced) × 2 rollouts")
+            && report.contains("clip range [1 − 0.05, 1 + 0.07]"),
         "{report}"
     );
 }

@@ -123,6 +123,18 @@ pub struct DemoArgs {
     /// The experience library (step-level retrieval of strategies and warnings): on or off
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     experience: OnOff,
+    /// Rollout batches and validation-gate sets hold every intent equally often (a shuffled
+    /// cycle of the five intents) instead of a random intent per scenario
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    stratify: OnOff,
+    /// Lower clip bound of the RL ratio, `1 − ε_low` [default: the preset's, a2tgpo/atpo/gspo
+    /// 3e-3, grpo 0.2]
+    #[arg(long)]
+    eps_low: Option<f64>,
+    /// Upper clip bound of the RL ratio, `1 + ε_high` [default: the preset's, a2tgpo/atpo/gspo
+    /// 4e-3, grpo 0.28]
+    #[arg(long)]
+    eps_high: Option<f64>,
 }
 
 /// Which digit tokens get no policy gradient.
@@ -180,6 +192,14 @@ impl DemoArgs {
         c.dr_grpo = self.dr_grpo == OnOff::On;
         c.greedy_digits = self.greedy_digits == OnOff::On;
         c.id_slot = self.id_slot == OnOff::On;
+        c.stratify = self.stratify == OnOff::On;
+        if self.eps_low.is_some() || self.eps_high.is_some() {
+            let p = turnwise::learn::TrainConfig::preset(c.algo).objective;
+            c.eps = Some((
+                self.eps_low.unwrap_or(p.eps_low),
+                self.eps_high.unwrap_or(p.eps_high),
+            ));
+        }
         c.warm_digit_class = self.warm_digits == WarmDigits::Class;
         if let Some(m) = self.mask_digits {
             c.mask_digits = m == DigitMask::On;
@@ -208,6 +228,11 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     }
     if !(cfg.minutes.is_finite() && cfg.minutes > 0.0) {
         anyhow::bail!("--minutes must be a positive number of minutes");
+    }
+    if let Some((lo, hi)) = cfg.eps {
+        if !(lo > 0.0 && lo < 1.0 && hi > 0.0 && hi.is_finite()) {
+            anyhow::bail!("--eps-low must lie in (0, 1) and --eps-high must be positive");
+        }
     }
     let algo = format!("{:?}", cfg.algo).to_lowercase();
     let out = args.out.clone().unwrap_or_else(|| {

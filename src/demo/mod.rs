@@ -101,6 +101,12 @@ pub struct DemoConfig {
     /// most messages that held one, `ACTION status 59` for "I paid 59 dollars for order 94615",
     /// the choice FINDINGS.md measured the output-projection adapter cannot learn.)
     pub id_slot: bool,
+    /// rollout batches and validation-gate sets hold every intent equally often
+    /// ([`env::stratified`]) instead of drawing each scenario's intent at random
+    pub stratify: bool,
+    /// overrides of the preset's clip range `[1 − ε_low, 1 + ε_high]` (None: the preset's;
+    /// A²TGPO's turn ratios use 3e-3 / 4e-3, the released script's values for long sequences)
+    pub eps: Option<(f64, f64)>,
     /// A²TGPO / ATPO process signal
     pub process: ProcessSignal,
     /// largest |approx KL| of an update that may be activated
@@ -175,6 +181,8 @@ impl DemoConfig {
             temperature: 0.7,
             greedy_digits: true,
             id_slot: true,
+            stratify: false,
+            eps: None,
             process: ProcessSignal::InfoGain,
             gate_kl: 0.2,
             lr: 1e-3,
@@ -811,9 +819,13 @@ impl<'a> Demo<'a> {
     /// winner's curse): measured, a fixed 16-scenario set rejected every later candidate. The
     /// engine is back on the active adapter afterwards.
     fn validation_gate(&mut self, candidate: i64) -> Result<[(f64, f64); 2]> {
-        let scenarios: Vec<Scenario> = (0..self.cfg.val_scenarios)
-            .map(|_| env::scenario(&mut self.val_rng, Split::Validation))
-            .collect();
+        let scenarios: Vec<Scenario> = if self.cfg.stratify {
+            env::stratified(&mut self.val_rng, Split::Validation, self.cfg.val_scenarios)
+        } else {
+            (0..self.cfg.val_scenarios)
+                .map(|_| env::scenario(&mut self.val_rng, Split::Validation))
+                .collect()
+        };
         let current = self.validate(&scenarios)?;
         let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, candidate))?);
         self.set_adapter(Some((candidate, ad)))?;
@@ -972,8 +984,13 @@ impl<'a> Demo<'a> {
             && self.cfg.process != ProcessSignal::None;
         let score_reference = uses_process && self.cfg.process == ProcessSignal::InfoGain;
         let mut jobs = Vec::with_capacity(n);
+        // balanced batches: the k-th scenario takes the k-th intent of a shuffled cycle
+        let order = self.cfg.stratify.then(|| env::shuffled_intents(&mut rng));
         for k in 0..self.cfg.scenarios_per_iter {
-            let s = env::scenario(&mut rng, Split::Train);
+            let s = match &order {
+                Some(o) => env::scenario_for(&mut rng, Split::Train, o[k % o.len()]),
+                None => env::scenario(&mut rng, Split::Train),
+            };
             for g in 0..self.cfg.group_size {
                 let mut p = params.clone();
                 p.seed = rng.next_u64();
@@ -1041,6 +1058,10 @@ impl<'a> Demo<'a> {
         cfg.adam_eps = self.cfg.adam_eps;
         cfg.mask_digits = self.cfg.mask_digits;
         cfg.mask_negative_digits = self.cfg.mask_negative_digits;
+        if let Some((lo, hi)) = self.cfg.eps {
+            cfg.objective.eps_low = lo;
+            cfg.objective.eps_high = hi;
+        }
         if self.cfg.kl_warm > 0.0 {
             cfg.objective.kl_coef = self.cfg.kl_warm;
             cfg.kl_ref_adapter = self.result.warm_adapter;

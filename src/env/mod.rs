@@ -211,8 +211,35 @@ impl Split {
 }
 
 /// Draws a scenario from the templates of `split`.
+/// The intents in a random order (Fisher–Yates).
+pub fn shuffled_intents(rng: &mut Rng) -> [Intent; 5] {
+    let mut order = INTENTS;
+    for i in (1..order.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+/// `n` scenarios whose intents are balanced: the intents in a shuffled order, repeated, so every
+/// intent gets `n / 5` or one more (the rest of each scenario drawn as [`scenario`] draws it).
+/// In a batch of 16 random scenarios some intent comes at most once 60 % of the time and some
+/// intent six times or more 39 % of the time; a balanced batch gives every intent's decision a
+/// share of each update.
+pub fn stratified(rng: &mut Rng, split: Split, n: usize) -> Vec<Scenario> {
+    let order = shuffled_intents(rng);
+    (0..n)
+        .map(|k| scenario_for(rng, split, order[k % order.len()]))
+        .collect()
+}
+
 pub fn scenario(rng: &mut Rng, split: Split) -> Scenario {
     let intent = INTENTS[(rng.next_u64() % INTENTS.len() as u64) as usize];
+    scenario_for(rng, split, intent)
+}
+
+/// A random scenario of `intent` (everything but the intent drawn as [`scenario`] draws it).
+pub fn scenario_for(rng: &mut Rng, split: Split, intent: Intent) -> Scenario {
     let templates = openings(intent);
     let choices = split.templates();
     let template = choices[(rng.next_u64() % choices.len() as u64) as usize];
@@ -733,5 +760,44 @@ mod tests {
             let (i, j) = (ans.find(&id), ans.find(&a.new_address));
             assert!(i.is_some() && j.is_some() && i < j, "{ans}");
         }
+    }
+
+    #[test]
+    fn stratified_batches_balance_the_intents() {
+        let mut rng = Rng::new(7);
+        for n in [1usize, 5, 16, 32] {
+            let b = stratified(&mut rng, Split::Validation, n);
+            assert_eq!(b.len(), n);
+            for intent in INTENTS {
+                let k = b.iter().filter(|s| s.intent == intent).count();
+                assert!(k == n / 5 || k == n / 5 + 1, "{n}: {intent:?} {k}");
+            }
+            assert!(b.iter().all(|s| Split::of(s.template) == Split::Validation));
+            // the rest of a scenario is drawn as `scenario` draws it
+            for s in &b {
+                assert_eq!(
+                    s.ground_truth == Action::Decline,
+                    s.intent == Intent::OutOfPolicy
+                );
+            }
+        }
+        // the order is shuffled per batch, not fixed
+        let mut rng = Rng::new(1);
+        let starts: Vec<Intent> = (0..20)
+            .map(|_| stratified(&mut rng, Split::Train, 5)[0].intent)
+            .collect();
+        assert!(
+            INTENTS.iter().filter(|i| starts.contains(i)).count() >= 3,
+            "{starts:?}"
+        );
+        // `scenario` draws the intent and then exactly what `scenario_for` draws
+        let (mut a, mut b) = (Rng::new(3), Rng::new(3));
+        let s = scenario(&mut a, Split::HeldOut);
+        b.next_u64();
+        let t = scenario_for(&mut b, Split::HeldOut, s.intent);
+        assert_eq!(
+            (s.order.id, s.template, s.opening()),
+            (t.order.id, t.template, t.opening())
+        );
     }
 }
