@@ -190,39 +190,29 @@ fn two_engines_log_every_session_and_reproduce_a_seeded_run() {
     assert_eq!(sessions, 8, "2 iterations × 2 scenarios × 2 rollouts");
     assert_eq!((ended, with_outcome), (8, 8));
 
-    let dir = tempdir();
-    let o = turnwise(&dir.path().join("unused.db"))
-        .args([
-            "demo",
-            "--quick",
-            "--engines",
-            "3",
-            "--threads",
-            "2",
-            "--out",
-        ])
-        .arg(dir.path().join("run"))
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    assert!(
-        String::from_utf8_lossy(&o.stderr).contains("--engines must be between 1 and --threads"),
-        "{}",
-        show(&o)
+    // settings that cannot run are refused with a clear error before a run directory exists
+    let refused = |args: &[&str], message: &str| {
+        let dir = tempdir();
+        let o = turnwise(&dir.path().join("unused.db"))
+            .args(["demo", "--quick"])
+            .args(args)
+            .arg("--out")
+            .arg(dir.path().join("run"))
+            .output()
+            .unwrap();
+        assert!(!o.status.success());
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains(message),
+            "{}",
+            show(&o)
+        );
+        assert!(!dir.path().join("run").exists());
+    };
+    refused(
+        &["--engines", "3", "--threads", "2"],
+        "--engines must be between 1 and --threads",
     );
-    // a clip range that is not one is refused before anything runs
-    let o = turnwise(&dir.path().join("unused.db"))
-        .args(["demo", "--quick", "--eps-low", "1.5", "--out"])
-        .arg(dir.path().join("run2"))
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    assert!(
-        String::from_utf8_lossy(&o.stderr).contains("--eps-low must lie in (0, 1)"),
-        "{}",
-        show(&o)
-    );
-    assert!(!dir.path().join("run2").exists());
+    refused(&["--eps-low", "1.5"], "--eps-low must lie in (0, 1)");
 }
 
 /// The validation gate: a candidate is activated exactly when its greedy validation success

@@ -234,6 +234,14 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
             anyhow::bail!("--eps-low must lie in (0, 1) and --eps-high must be positive");
         }
     }
+    let threads = usize::try_from(args.model.threads).unwrap_or(0);
+    let n_engines = args.engines.unwrap_or(threads.clamp(1, 2));
+    if n_engines == 0 || n_engines > threads {
+        anyhow::bail!(
+            "--engines must be between 1 and --threads ({}): each engine needs a thread",
+            args.model.threads
+        );
+    }
     let algo = format!("{:?}", cfg.algo).to_lowercase();
     let out = args.out.clone().unwrap_or_else(|| {
         let t = std::time::SystemTime::now()
@@ -260,14 +268,6 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         },
         out.display()
     );
-    let threads = usize::try_from(args.model.threads).unwrap_or(0);
-    let n_engines = args.engines.unwrap_or(threads.clamp(1, 2));
-    if n_engines == 0 || n_engines > threads {
-        anyhow::bail!(
-            "--engines must be between 1 and --threads ({}): each engine needs a thread",
-            args.model.threads
-        );
-    }
     let mut ecfg = args.model.engine_config(verbose)?;
     ecfg.n_threads = i32::try_from(threads / n_engines).unwrap_or(1);
     let engines = (0..n_engines)
