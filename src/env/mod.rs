@@ -210,7 +210,6 @@ impl Split {
     }
 }
 
-/// Draws a scenario from the templates of `split`.
 /// The intents in a random order (Fisher–Yates).
 pub fn shuffled_intents(rng: &mut Rng) -> [Intent; 5] {
     let mut order = INTENTS;
@@ -233,6 +232,7 @@ pub fn stratified(rng: &mut Rng, split: Split, n: usize) -> Vec<Scenario> {
         .collect()
 }
 
+/// Draws a scenario from the templates of `split`.
 pub fn scenario(rng: &mut Rng, split: Split) -> Scenario {
     let intent = INTENTS[(rng.next_u64() % INTENTS.len() as u64) as usize];
     scenario_for(rng, split, intent)
@@ -773,7 +773,7 @@ mod tests {
                 assert!(k == n / 5 || k == n / 5 + 1, "{n}: {intent:?} {k}");
             }
             assert!(b.iter().all(|s| Split::of(s.template) == Split::Validation));
-            // the rest of a scenario is drawn as `scenario` draws it
+            // each scenario's ground truth follows its intent
             for s in &b {
                 assert_eq!(
                     s.ground_truth == Action::Decline,
