@@ -804,22 +804,22 @@ impl Worker {
         } else {
             vec![f32::NEG_INFINITY; logits.len()]
         };
+        // what changed and what is left, tracked while masking (no second pass over the
+        // vocabulary): the tokens without a digit keep their logits exactly when `end_ok`
+        let mut changed = !end_ok && logits.iter().any(|l| *l != f32::NEG_INFINITY);
+        let mut any_left = end_ok && logits.iter().any(|l| l.is_finite());
         let mut buf = String::with_capacity(text.len() + 16);
         for (t, piece) in &self.digit_pieces {
             buf.clear();
             buf.push_str(text);
             buf.push_str(piece);
-            masked[*t] = if sampler::id_slot_allows(&buf, candidates) {
-                logits[*t]
-            } else {
-                f32::NEG_INFINITY
-            };
+            let keep = sampler::id_slot_allows(&buf, candidates);
+            let l = logits[*t];
+            masked[*t] = if keep { l } else { f32::NEG_INFINITY };
+            changed |= !keep && l != f32::NEG_INFINITY;
+            any_left |= keep && l.is_finite();
         }
-        let changed = masked
-            .iter()
-            .zip(logits)
-            .any(|(m, l)| m.to_bits() != l.to_bits());
-        (changed && masked.iter().any(|l| l.is_finite())).then_some(masked)
+        (changed && any_left).then_some(masked)
     }
 
     fn score_reference(
