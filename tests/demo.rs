@@ -288,6 +288,17 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
         let (cand, act) = (pair(0), pair(1));
         let passes = cand.0 > act.0 || cand.0 == act.0 && cand.1 >= act.1;
         assert_eq!(it["activated"].as_bool(), Some(passes), "{it}");
+        // the shadow check (on by default): the active adapter replayed at most every gate
+        // scenario; where it replayed none, it would have played the candidate's sessions
+        let (replayed, of) = (
+            it["gate_replayed"][0].as_u64().unwrap(),
+            it["gate_replayed"][1].as_u64().unwrap(),
+        );
+        assert_eq!(of, 3, "{it}");
+        assert!(replayed <= of, "{it}");
+        if replayed == 0 {
+            assert_eq!(cand, act, "{it}");
+        }
         let status = store.adapter(candidate).unwrap().status;
         if passes {
             assert_ne!(status, "rejected", "{it}");

@@ -704,3 +704,68 @@ fn the_kl_reference_can_be_a_stored_adapter() {
     assert!(train(&mut store, &db, None, &cfg).is_err());
     assert_eq!(store.adapters().unwrap().len(), adapters);
 }
+
+/// The shadow check of the validation gate, on the real model: with a shadow adapter set, a
+/// greedy reply says whether the shadow's own arg-max was the token taken at every position.
+/// Checked against the shadow playing the same prompt itself: where it agreed it writes the
+/// very same tokens; a shadow that prefers other tokens disagrees and writes another reply.
+/// Sampled replies and engines without a shadow report nothing.
+#[test]
+fn a_shadow_adapter_knows_whether_it_would_have_written_the_same_reply() {
+    let engine = private_engine();
+    let h = head();
+    let fresh = |seed| Adapter::fresh(h.n_embd(), h.n_vocab(), 8, 16.0, seed, "test");
+    let base = fresh(0); // B = 0: the base model's logits
+    let mut rng = Rng::new(4);
+    let mut tiny = fresh(1);
+    tiny.b
+        .mapv_inplace(|_| ((rng.next_f64() * 2.0 - 1.0) * 1e-6) as f32);
+    let mut large = fresh(2);
+    large
+        .b
+        .mapv_inplace(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.5) as f32);
+    let greedy = SamplerParams {
+        temperature: 0.0,
+        max_tokens: 24,
+        ..Default::default()
+    };
+    let reply = |primary: &Adapter, shadow: Option<&Adapter>, p: &SamplerParams| {
+        engine
+            .set_adapter(Some((1, Arc::new(primary.clone()))))
+            .unwrap();
+        engine
+            .set_shadow(shadow.map(|s| Arc::new(s.clone())))
+            .unwrap();
+        let msgs = vec![
+            Message::new(Role::System, "You are a support agent."),
+            Message::new(Role::User, "Where is my order 48213? It was due last week."),
+        ];
+        let g = engine.generate(7, msgs, p.clone(), None).unwrap();
+        engine.close(7);
+        g.reply
+    };
+    let own = reply(&base, None, &greedy);
+    assert_eq!(own.shadow_agrees, None);
+    assert!(own.tokens.len() > 3, "{:?}", own.text);
+    assert_eq!(reply(&base, Some(&base), &greedy).shadow_agrees, Some(true));
+    // a change far below every margin of this reply: it agrees, and plays the same reply
+    let r = reply(&base, Some(&tiny), &greedy);
+    assert_eq!(r.tokens, own.tokens);
+    assert_eq!(r.shadow_agrees, Some(true));
+    assert_eq!(reply(&tiny, None, &greedy).tokens, own.tokens);
+    // a change that moves the arg-max: it disagrees, and its own reply is another one
+    assert_eq!(reply(&base, Some(&large), &greedy).shadow_agrees, Some(false));
+    assert_ne!(reply(&large, None, &greedy).tokens, own.tokens);
+    // the other way round: the large adapter writes, the base shadows
+    assert_eq!(reply(&large, Some(&base), &greedy).shadow_agrees, Some(false));
+    // sampled replies are not checked
+    let sampled = SamplerParams {
+        temperature: 0.7,
+        seed: 3,
+        ..greedy.clone()
+    };
+    assert_eq!(reply(&base, Some(&base), &sampled).shadow_agrees, None);
+    // an adapter of another model's shapes is refused as a shadow
+    let wrong = Adapter::fresh(h.n_embd() + 1, h.n_vocab(), 8, 16.0, 0, "other");
+    assert!(engine.set_shadow(Some(Arc::new(wrong))).is_err());
+}

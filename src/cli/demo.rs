@@ -135,6 +135,11 @@ pub struct DemoArgs {
     /// 4e-3, grpo 0.28]
     #[arg(long)]
     eps_high: Option<f64>,
+    /// The validation gate replays with the active adapter only the scenarios where its greedy
+    /// choices differed from the candidate's (checked token by token while the candidate
+    /// plays); off: the active adapter plays every gate scenario itself
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    shadow_gate: OnOff,
 }
 
 /// Which digit tokens get no policy gradient.
@@ -193,6 +198,7 @@ impl DemoArgs {
         c.greedy_digits = self.greedy_digits == OnOff::On;
         c.id_slot = self.id_slot == OnOff::On;
         c.stratify = self.stratify == OnOff::On;
+        c.shadow_gate = self.shadow_gate == OnOff::On;
         if self.eps_low.is_some() || self.eps_high.is_some() {
             let p = turnwise::learn::TrainConfig::preset(c.algo).objective;
             c.eps = Some((

@@ -336,6 +336,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     cfg.backend = args.backend;
     cfg.device = args.device;
     cfg.threads = args.train_threads;
+    cfg.validate()?;
     let parent = if args.fresh {
         None
     } else {

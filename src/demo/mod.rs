@@ -127,6 +127,10 @@ pub struct DemoConfig {
     /// unchanged active adapter stay on-policy and are kept for the next update (at most
     /// [`ON_POLICY_ITERATIONS`] iterations' worth).
     pub val_scenarios: usize,
+    /// the validation gate plays the candidate with the active adapter as the engines' shadow
+    /// ([`Engine::set_shadow`]) and replays with the active adapter only the scenarios where its
+    /// greedy choice differed somewhere (off: the active adapter plays every scenario itself)
+    pub shadow_gate: bool,
     /// carry the AdamW moments from update to update (saved with each adapter)
     pub keep_optimizer: bool,
     /// centre the outcome inside each group without dividing by its std (Dr.GRPO). The desk's
@@ -190,6 +194,7 @@ impl DemoConfig {
             eval_every: 0,
             experience: false,
             val_scenarios: 32,
+            shadow_gate: true,
             keep_optimizer: false,
             dr_grpo: true,
             adam_eps: 1e-8,
@@ -279,6 +284,9 @@ pub struct Iteration {
     pub trained_on: usize,
     /// validation gate: (success, mean reward) of the candidate and of the active adapter
     pub validation: Option<[(f64, f64); 2]>,
+    /// validation gate: (scenarios the active adapter played itself, scenarios); with the
+    /// shadow check the others are the candidate's sessions, which it would have played alike
+    pub gate_replayed: Option<(usize, usize)>,
     /// the update's diagnostics
     pub diagnostics: Value,
     /// what the experience library did with this iteration's sessions
@@ -389,6 +397,10 @@ pub struct Played {
     /// truth's action line before the first agent reply and after each one (what
     /// [`crate::learn::annotate::annotate_sessions`] would compute from the log)
     pub reference_logp: Option<Vec<f64>>,
+    /// with a shadow adapter on the engine (greedy sessions): whether every reply agreed with
+    /// the shadow's greedy choices ([`crate::policy::Reply::shadow_agrees`]), i.e. the shadow
+    /// would have played this very session
+    pub shadow_agrees: Option<bool>,
 }
 
 /// How the agent plays a session.
@@ -444,6 +456,7 @@ pub fn play(
     // the session's tokens as the log will hold them (every turn's tokens, in order)
     let mut context: Vec<crate::policy::llama::Token> = Vec::new();
     let mut reference_logp = how.score_reference.then(Vec::new);
+    let mut shadow_agrees: Option<bool> = None;
     let session_id = match &log {
         Some(l) => Some(store.create_session(&NewSession {
             source: Source::Demo,
@@ -487,6 +500,9 @@ pub fn play(
                 lp.push(engine.score_reference(context.clone(), false, &reference)?);
             }
             context.extend_from_slice(&gen.reply.tokens);
+            if let Some(a) = gen.reply.shadow_agrees {
+                shadow_agrees = Some(shadow_agrees.unwrap_or(true) && a);
+            }
             if let Some(lp) = reference_logp.as_mut() {
                 lp.push(engine.score_reference(context.clone(), true, &reference)?);
             }
@@ -518,6 +534,7 @@ pub fn play(
         transcript,
         session_id,
         reference_logp,
+        shadow_agrees,
     })
 }
 
@@ -647,6 +664,8 @@ pub struct Demo<'a> {
     val_rng: Rng,
     /// sessions sampled with the active adapter since it was activated
     on_policy: usize,
+    /// the last gate's (replayed, scenarios)
+    gate_replayed: Option<(usize, usize)>,
     active: Option<(i64, Arc<Adapter>)>,
     library: Option<Library>,
     start: Instant,
@@ -689,6 +708,7 @@ impl<'a> Demo<'a> {
             held_out,
             val_rng: Rng::new(cfg.seed ^ 0x5641_4c49_4441_5445),
             on_policy: 0,
+            gate_replayed: None,
             active: None,
             library,
             start: Instant::now(),
@@ -728,6 +748,13 @@ impl<'a> Demo<'a> {
     fn set_adapter(&self, adapter: Option<(i64, Arc<Adapter>)>) -> Result<()> {
         for e in self.engines {
             e.set_adapter(adapter.clone())?;
+        }
+        Ok(())
+    }
+
+    fn set_shadow(&self, adapter: Option<Arc<Adapter>>) -> Result<()> {
+        for e in self.engines {
+            e.set_shadow(adapter.clone())?;
         }
         Ok(())
     }
@@ -799,16 +826,18 @@ impl<'a> Demo<'a> {
         }
     }
 
-    /// Greedy (success rate, mean reward) of the engines' current adapter on `scenarios`.
-    fn validate(&mut self, scenarios: &[Scenario]) -> Result<(f64, f64)> {
-        let (mut succ, mut rew) = (0.0, 0.0);
+    /// Greedy (success, reward, shadow agreed) of the engines' current adapter on each of
+    /// `scenarios`.
+    fn validate(&mut self, scenarios: &[Scenario]) -> Result<Vec<(bool, f64, bool)>> {
         let jobs = scenarios.iter().map(|s| self.greedy_job(s)).collect();
-        for p in self.play_all(jobs, "validation", &mut |_| {})? {
-            succ += f64::from(u8::from(p.desk.success()));
-            rew += p.desk.reward();
-        }
-        let n = scenarios.len().max(1) as f64;
-        Ok((succ / n, rew / n))
+        Ok(self
+            .play_all(jobs, "validation", &mut |_| {})?
+            .into_iter()
+            .map(|p| {
+                let agrees = p.shadow_agrees == Some(true);
+                (p.desk.success(), p.desk.reward(), agrees)
+            })
+            .collect())
     }
 
     /// The validation gate: greedy (success, reward) of the candidate and of the active adapter
@@ -826,12 +855,46 @@ impl<'a> Demo<'a> {
                 .map(|_| env::scenario(&mut self.val_rng, Split::Validation))
                 .collect()
         };
-        let current = self.validate(&scenarios)?;
         let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, candidate))?);
         self.set_adapter(Some((candidate, ad)))?;
-        let cand = self.validate(&scenarios);
-        self.set_adapter(self.active.clone())?;
-        Ok([cand?, current])
+        // with the shadow check, the active adapter's greedy choices are checked along the
+        // candidate's sessions: where it agreed at every token it would have played the same
+        // session, and only the others are replayed with it
+        let shadow = if self.cfg.shadow_gate {
+            self.active.as_ref().map(|a| a.1.clone())
+        } else {
+            None
+        };
+        let cand = self
+            .set_shadow(shadow.clone())
+            .and_then(|()| self.validate(&scenarios));
+        let restored = self
+            .set_shadow(None)
+            .and_then(|()| self.set_adapter(self.active.clone()));
+        let cand = cand?;
+        restored?;
+        let replay: Vec<usize> = (0..scenarios.len())
+            .filter(|&i| shadow.is_none() || !cand[i].2)
+            .collect();
+        let again: Vec<Scenario> = replay.iter().map(|&i| scenarios[i].clone()).collect();
+        let mut current: Vec<(bool, f64)> = cand.iter().map(|c| (c.0, c.1)).collect();
+        for (&i, r) in replay.iter().zip(self.validate(&again)?) {
+            current[i] = (r.0, r.1);
+        }
+        self.gate_replayed = Some((replay.len(), scenarios.len()));
+        let mean = |v: &mut dyn Iterator<Item = (bool, f64)>| {
+            let (mut s, mut r, mut n) = (0.0, 0.0, 0usize);
+            for (ok, rew) in v {
+                s += f64::from(u8::from(ok));
+                r += rew;
+                n += 1;
+            }
+            let n = n.max(1) as f64;
+            (s / n, r / n)
+        };
+        let c = mean(&mut cand.iter().map(|c| (c.0, c.1)));
+        let a = mean(&mut current.into_iter());
+        Ok([c, a])
     }
 
     /// Greedy evaluation of the current adapter on the held-out set.
@@ -1165,6 +1228,7 @@ impl<'a> Demo<'a> {
             note,
             trained_on,
             validation,
+            gate_replayed: validation.and(self.gate_replayed.take()),
             diagnostics,
             experience,
             elapsed_s: self.start.elapsed().as_secs_f64(),

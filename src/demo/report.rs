@@ -232,7 +232,8 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
             "trained"
         }, c.gate_kl,
         if c.val_scenarios > 0 {
-            format!(" and greedy success ≥ the active adapter's on {} fresh validation scenarios (unseen phrasings)", c.val_scenarios)
+            format!(" and greedy success ≥ the active adapter's on {} fresh validation scenarios (unseen phrasings{})", c.val_scenarios,
+                if c.shadow_gate { "; the active adapter replays only the scenarios where its greedy choices differed from the candidate's" } else { "" })
         } else {
             String::new()
         },
@@ -314,9 +315,12 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
             i.candidate.map_or("–".into(), |a| a.to_string()),
             i.validation
                 .map_or("–".into(), |[(cs, cr), (as_, ar)]| format!(
-                    "{} ({cr:.2}) / {} ({ar:.2})",
+                    "{} ({cr:.2}) / {} ({ar:.2}){}",
                     pct(cs),
-                    pct(as_)
+                    pct(as_),
+                    i.gate_replayed
+                        .filter(|(r, n)| r < n)
+                        .map_or(String::new(), |(r, n)| format!(", active replayed {r} of {n}"))
                 )),
             if i.activated { "yes" } else { "no" },
             f("approx_kl"),

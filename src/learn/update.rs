@@ -156,6 +156,40 @@ pub struct TrainConfig {
 }
 
 impl TrainConfig {
+    /// Refuses settings no update can run with: a clip range outside `0 < ε_low < 1`,
+    /// `ε_high > 0`, a negative or non-finite learning rate (0 is allowed: an update that does
+    /// not move), a gradient clip or AdamW ε that is not positive, no epochs, a TIS cap below 1
+    /// or a negative KL / entropy coefficient.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the setting.
+    pub fn validate(&self) -> Result<()> {
+        let o = &self.objective;
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        let bad = |m: &str| Err(Error::Invalid(m.into()));
+        if !(o.eps_low > 0.0 && o.eps_low < 1.0) || !positive(o.eps_high) {
+            return bad("the clip range needs 0 < eps_low < 1 and eps_high > 0");
+        }
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return bad("the learning rate must be finite and not negative");
+        }
+        if !positive(self.max_grad_norm) || !positive(self.adam_eps) {
+            return bad("the gradient clip and AdamW epsilon must be positive");
+        }
+        if self.epochs == 0 || self.minibatch_tokens == 0 || self.rank == 0 {
+            return bad("epochs, minibatch tokens and the LoRA rank must be at least 1");
+        }
+        if o.tis_cap.is_some_and(|c| !(c.is_finite() && c >= 1.0)) {
+            return bad("the TIS cap must be at least 1");
+        }
+        if !(o.kl_coef.is_finite() && o.kl_coef >= 0.0)
+            || !(o.entropy_coef.is_finite() && o.entropy_coef >= 0.0)
+        {
+            return bad("the KL and entropy coefficients must be finite and not negative");
+        }
+        Ok(())
+    }
+
     /// The preset of `algo` with the defaults of ALGORITHMS.md.
     pub fn preset(algo: Algo) -> Self {
         let (granularity, clip, eps_low, eps_high, aggregation) = match algo {
@@ -612,6 +646,7 @@ pub fn run_update(
 ) -> Result<UpdateReport> {
     let t_start = Instant::now();
     let sft = cfg.algo == Algo::Sft;
+    cfg.validate()?;
     // the KL reference first: an unknown one fails before anything is written
     let kl_ref = match cfg
         .kl_ref_adapter
@@ -1296,6 +1331,38 @@ pub fn run_update(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn validate_accepts_the_presets_and_refuses_impossible_settings() {
+        use clap::ValueEnum;
+        for algo in Algo::value_variants() {
+            TrainConfig::preset(*algo).validate().unwrap();
+        }
+        let refused = |f: &dyn Fn(&mut TrainConfig), what: &str| {
+            let mut c = TrainConfig::preset(Algo::A2tgpo);
+            f(&mut c);
+            match c.validate() {
+                Err(Error::Invalid(m)) => assert!(m.contains(what), "{m}"),
+                other => panic!("{what}: {other:?}"),
+            }
+        };
+        refused(&|c| c.objective.eps_low = 1.5, "clip range");
+        refused(&|c| c.objective.eps_low = 0.0, "clip range");
+        refused(&|c| c.objective.eps_high = -0.1, "clip range");
+        refused(&|c| c.objective.eps_high = f64::INFINITY, "clip range");
+        refused(&|c| c.lr = f64::NAN, "learning rate");
+        refused(&|c| c.lr = -1e-3, "learning rate");
+        refused(&|c| c.max_grad_norm = 0.0, "gradient clip");
+        refused(&|c| c.epochs = 0, "epochs");
+        refused(&|c| c.objective.tis_cap = Some(0.5), "TIS cap");
+        refused(&|c| c.objective.kl_coef = -1.0, "KL");
+        // the boundary values that are allowed
+        let mut c = TrainConfig::preset(Algo::Grpo);
+        c.objective.eps_low = 0.999;
+        c.objective.tis_cap = Some(1.0);
+        c.lr = 0.0;
+        c.validate().unwrap();
+    }
 
     #[test]
     fn digit_masks_decide_which_tokens_learn() {

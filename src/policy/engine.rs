@@ -117,7 +117,16 @@ pub struct Reply {
     pub decode_ms: f64,
     /// the adapter that was applied to every token of this reply
     pub adapter_id: Option<i64>,
+    /// with a shadow adapter ([`Engine::set_shadow`]) on a greedy reply: whether the shadow's
+    /// own greedy choice was the token taken at every position, each by a margin of more than
+    /// [`SHADOW_MARGIN`] (then the shadow, given this reply's context, writes this reply)
+    pub shadow_agrees: Option<bool>,
 }
+
+/// Logit margin by which a shadow adapter's arg-max must win at every position for
+/// [`Reply::shadow_agrees`]: llama.cpp's logits of the same tokens differ by ~1e-5 between
+/// cache states, so a nearer tie could go either way when the shadow plays the session itself.
+pub const SHADOW_MARGIN: f32 = 1e-3;
 
 /// The result of a generation request.
 #[derive(Debug, Clone)]
@@ -172,6 +181,10 @@ enum Command {
     },
     SetAdapter {
         adapter: Option<(i64, Arc<Adapter>)>,
+        reply: Reply1<()>,
+    },
+    SetShadow {
+        adapter: Option<Arc<Adapter>>,
         reply: Reply1<()>,
     },
     Restore {
@@ -338,6 +351,22 @@ impl Engine {
         Self::wait(self.call(|reply| Command::SetAdapter { adapter, reply }))
     }
 
+    /// Sets a shadow adapter (`None`: none), checked on greedy replies only: at every position
+    /// the engine also takes the shadow's arg-max over the same base logits and the same masks,
+    /// and [`Reply::shadow_agrees`] says whether it was the token taken every time. A greedy
+    /// session whose every reply agrees is the session the shadow would have played itself, so
+    /// a comparison of two adapters on the same scenarios only has to replay the others. Like
+    /// [`Engine::set_adapter`], it takes effect between requests.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the adapter's shapes do not fit the model.
+    pub fn set_shadow(&self, adapter: Option<Arc<Adapter>>) -> Result<()> {
+        if let Some(a) = &adapter {
+            a.check_model(self.info.n_embd, self.info.n_vocab)?;
+        }
+        Self::wait(self.call(|reply| Command::SetShadow { adapter, reply }))
+    }
+
     /// Teacher-forced score of a ground-truth answer: the mean log-prob of `reference`'s tokens
     /// as the assistant's reply after the context `prefix` (the frozen policy, adapter off). When
     /// `prefix` ends with an assistant turn, the template's opening of a new assistant message is
@@ -404,6 +433,8 @@ struct Worker {
     cached: Vec<Token>,
     /// adapter applied to the logits before sampling
     adapter: Option<(i64, Arc<Adapter>)>,
+    /// adapter whose greedy choices are checked against greedy replies
+    shadow: Option<Arc<Adapter>>,
 }
 
 impl Worker {
@@ -473,6 +504,7 @@ impl Worker {
             sessions: HashMap::new(),
             cached: Vec::new(),
             adapter: None,
+            shadow: None,
         })
     }
 
@@ -560,6 +592,10 @@ impl Worker {
                 }
                 Command::SetAdapter { adapter, reply } => {
                     self.adapter = adapter;
+                    let _ = reply.send(Ok(()));
+                }
+                Command::SetShadow { adapter, reply } => {
+                    self.shadow = adapter;
                     let _ = reply.send(Ok(()));
                 }
             }
@@ -714,27 +750,40 @@ impl Worker {
         let mut visible_len = None;
         let mut streamed = 0usize;
         let adapter = self.adapter.clone();
+        let shadow = self.shadow.clone().filter(|_| p.temperature <= 0.0);
+        let mut shadow_agrees = true;
         let stop = loop {
+            // the shadow's logits: the same base logits with its own low-rank term
+            let mut shadow_logits = shadow.as_ref().map(|sh| {
+                let mut l = logits.clone();
+                sh.apply(&h, &mut l);
+                l
+            });
             if let Some((_, a)) = &adapter {
                 a.apply(&h, &mut logits);
             }
-            if p.ignore_eog {
-                for &t in &self.eog {
-                    logits[t as usize] = f32::NEG_INFINITY;
-                }
-            }
+            let slotted = self.constrain(&mut logits, &text, p);
             let digits = &self.digits;
             let is_digit = |t: i32| usize::try_from(t).is_ok_and(|t| digits.get(t) == Some(&true));
-            let slotted = match &p.id_slot {
-                Some(c) if sampler::id_slot_open(&text) => self.mask_id_slot(&logits, &text, c),
-                _ => None,
-            };
             let mut s = sampler::sample_with(
                 slotted.as_deref().unwrap_or(&logits),
                 p,
                 &mut rng,
                 &is_digit,
             );
+            if let Some(sl) = shadow_logits.as_mut() {
+                let masked = self.constrain(sl, &text, p);
+                let mut top = sampler::top_k(masked.as_deref().unwrap_or(sl), 2);
+                top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                let wins = match top.as_slice() {
+                    [best, second, ..] => {
+                        best.0 == s.token && best.1 - second.1 > SHADOW_MARGIN
+                    }
+                    [best] => best.0 == s.token,
+                    [] => false,
+                };
+                shadow_agrees &= wins;
+            }
             if slotted.is_some() {
                 // the full log-prob stays that of the unconstrained softmax, as the learner
                 // computes it; the behaviour log-prob is the constrained distribution's
@@ -788,8 +837,23 @@ impl Worker {
             prefill_ms,
             decode_ms: t1.elapsed().as_secs_f64() * 1e3,
             adapter_id: adapter.map(|(id, _)| id),
+            shadow_agrees: shadow.map(|_| shadow_agrees),
         };
         Ok((conv, reply))
+    }
+
+    /// Applies the request's constraints to `logits`: end-of-generation tokens masked in place
+    /// with `ignore_eog`, and the id slot's mask as a masked copy (`None`: nothing masked).
+    fn constrain(&self, logits: &mut [f32], text: &str, p: &SamplerParams) -> Option<Vec<f32>> {
+        if p.ignore_eog {
+            for &t in &self.eog {
+                logits[t as usize] = f32::NEG_INFINITY;
+            }
+        }
+        match &p.id_slot {
+            Some(c) if sampler::id_slot_open(text) => self.mask_id_slot(logits, text, c),
+            _ => None,
+        }
     }
 
     /// `logits` with every token masked that would put a number outside `candidates` into the

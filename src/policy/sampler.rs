@@ -237,7 +237,8 @@ pub fn distribution(logits: &[f32], p: &SamplerParams) -> Vec<(i32, f64)> {
 
 /// The `k` largest logits (ties broken by the lower token id), in no particular order, in one
 /// pass: a candidate replaces the current minimum of the kept set only when it beats it.
-fn top_k(logits: &[f32], k: usize) -> Vec<(i32, f32)> {
+/// The `k` largest logits with their token ids (ties: the lower id), in no particular order.
+pub(crate) fn top_k(logits: &[f32], k: usize) -> Vec<(i32, f32)> {
     let better = |a: (i32, f32), b: (i32, f32)| a.1 > b.1 || (a.1 == b.1 && a.0 < b.0);
     let mut kept: Vec<(i32, f32)> = logits
         .iter()
