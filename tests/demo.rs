@@ -232,6 +232,8 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
         "5",
         "--stratify",
         "on",
+        "--paraphrase",
+        "on",
         "--eps-low",
         "0.05",
         "--eps-high",
@@ -254,6 +256,39 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
         .collect::<Result<_, _>>()
         .unwrap();
     assert_eq!(intents.len(), 3 * 5, "{intents:?}");
+    // --paraphrase: rollout openings carry greetings, closings or lower case; the
+    // demonstrations' stay as their templates write them
+    let openings: Vec<(bool, String)> = store
+        .connection()
+        .prepare(
+            "SELECT s.group_key LIKE 'it%', t.text FROM sessions s JOIN turns t
+             ON t.session_id = s.id AND t.idx = 1 WHERE s.source = 'demo'",
+        )
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let dressed = |t: &str| {
+        let t = t.to_lowercase();
+        turnwise::env::GREETINGS
+            .iter()
+            .any(|g| t.starts_with(&g.to_lowercase()))
+            || turnwise::env::CLOSINGS
+                .iter()
+                .any(|c| t.ends_with(&c.to_lowercase()))
+    };
+    assert!(
+        openings.iter().any(|(r, t)| *r && dressed(t)),
+        "{openings:?}"
+    );
+    assert!(
+        openings
+            .iter()
+            .filter(|(r, _)| !r)
+            .all(|(_, t)| !dressed(t)),
+        "{openings:?}"
+    );
     assert!(intents.iter().all(|i| i.2 == 2), "{intents:?}");
     let eps: Vec<(String, f64, f64)> = store
         .connection()
@@ -395,88 +430,138 @@ fn the_value_head_separates_desk_successes_from_failures() {
 }
 
 /// The demo scores the ground truth's action line while a rollout is still in the KV cache;
-/// those log-probs must be the ones `turnwise annotate` computes from the logged session, one
-/// before the first agent reply and one after each.
+/// those log-probs must be the ones `turnwise annotate` computes from the logged session
+/// ([`reference_scores`]), one before the first agent reply and one per reply, with either
+/// [`IgContext`].
 #[test]
 fn information_gain_scored_while_playing_matches_rescoring_the_log() {
     use std::collections::HashMap;
     use turnwise::adapter::Adapter;
     use turnwise::demo::{play, LogMeta, PlaySettings};
     use turnwise::env::{self, Split};
-    use turnwise::learn::annotate::{annotate_sessions_with, AnnotateConfig, InfoGainSource};
+    use turnwise::learn::annotate::{
+        annotate_sessions_with, reference_scores, AnnotateConfig, IgContext, InfoGainSource,
+    };
     use turnwise::policy::sampler::{Rng, SamplerParams};
 
     let dir = tempdir();
     let mut store = Store::open(&dir.path().join("ig.db")).unwrap();
     let engine = crate::common::engine();
     let mut rng = Rng::new(11);
-    let mut scored = HashMap::new();
-    for k in 0..3u64 {
-        let s = env::scenario(&mut rng, Split::Train);
-        let how = PlaySettings {
-            patience: 3,
-            params: SamplerParams {
-                seed: 40 + k,
-                max_tokens: 24,
-                ..Default::default()
-            },
-            key: crate::common::session_key(),
-            score_reference: true,
-            id_slot: false,
-        };
-        let log = LogMeta {
-            group: format!("s{k}"),
-            metadata: serde_json::json!({}),
-        };
-        let played = play(engine, &mut store, &s, &how, Some(log), None).unwrap();
-        let sid = played.session_id.unwrap();
-        let p = played.reference_logp.unwrap();
-        // the same numbers from the log, as annotating it afterwards computes them
-        let reference = store.session(sid).unwrap().reference.unwrap();
-        let (mut context, mut q) = (Vec::new(), Vec::new());
-        for t in store.turns(sid).unwrap() {
-            if t.role == turnwise::Role::Assistant && q.is_empty() {
-                q.push(
-                    engine
-                        .score_reference(context.clone(), false, &reference)
-                        .unwrap(),
+    for ctx in [IgContext::Observation, IgContext::Reply] {
+        let mut scored = HashMap::new();
+        for k in 0..3u64 {
+            let s = env::scenario(&mut rng, Split::Train);
+            let how = PlaySettings {
+                patience: 3,
+                params: SamplerParams {
+                    seed: 40 + k,
+                    max_tokens: 24,
+                    ..Default::default()
+                },
+                key: crate::common::session_key(),
+                score_reference: true,
+                ig_context: ctx,
+                id_slot: false,
+            };
+            let log = LogMeta {
+                group: format!("{ctx:?}{k}"),
+                metadata: serde_json::json!({}),
+            };
+            let played = play(engine, &mut store, &s, &how, Some(log), None).unwrap();
+            let sid = played.session_id.unwrap();
+            let p = played.reference_logp.unwrap();
+            // the same numbers from the log, as annotating it afterwards computes them
+            let reference = store.session(sid).unwrap().reference.unwrap();
+            let turns = store.turns(sid).unwrap();
+            let q = reference_scores(engine, &turns, &reference, ctx).unwrap();
+            assert_eq!(p.len(), assistant_turns(&store, sid) + 1);
+            assert_eq!(p.len(), q.len());
+            // llama.cpp's numbers depend on how the context was batched (generated token by
+            // token or prefilled), by a few hundredths of a nat
+            for (a, b) in p.iter().zip(&q) {
+                assert!(
+                    (a - b).abs() < 0.25,
+                    "{ctx:?}: played {p:?}, rescored {q:?}"
                 );
             }
-            context.extend_from_slice(&t.token_ids);
-            if t.role == turnwise::Role::Assistant {
-                q.push(
-                    engine
-                        .score_reference(context.clone(), true, &reference)
-                        .unwrap(),
-                );
-            }
+            scored.insert(sid, p);
         }
-        assert_eq!(p.len(), assistant_turns(&store, sid) + 1);
-        assert_eq!(p.len(), q.len());
-        // llama.cpp's numbers depend on how the context was batched (generated token by token
-        // or prefilled), by a few hundredths of a nat
-        for (a, b) in p.iter().zip(&q) {
-            assert!((a - b).abs() < 0.25, "played {p:?}, rescored {q:?}");
+        let ids: Vec<i64> = scored.keys().copied().collect();
+        let info = engine.info();
+        let head = Adapter::fresh(info.n_embd, info.n_vocab, 8, 16.0, 0, &info.name);
+        let cfg = AnnotateConfig {
+            ig_context: ctx,
+            ..AnnotateConfig::default()
+        };
+        let src = InfoGainSource::Scored(&scored);
+        let sum = annotate_sessions_with(&mut store, &ids, &head, None, src, &cfg).unwrap();
+        assert_eq!(sum.info_gain_turns, sum.turns);
+        for &sid in &ids {
+            let credit = store.turn_credit(sid).unwrap();
+            assert!(credit.iter().all(|c| c.info_gain.is_some()), "{credit:?}");
         }
-        scored.insert(sid, p);
+        // log-probs that do not match the session's turns are a clear error, not a silent shift
+        let mut wrong = scored.clone();
+        wrong.get_mut(&ids[0]).unwrap().pop();
+        let src = InfoGainSource::Scored(&wrong);
+        let e = annotate_sessions_with(&mut store, &ids[..1], &head, None, src, &cfg).unwrap_err();
+        assert!(e.to_string().contains("reference log-probs"), "{e}");
     }
-    let ids: Vec<i64> = scored.keys().copied().collect();
-    let info = engine.info();
-    let head = Adapter::fresh(info.n_embd, info.n_vocab, 8, 16.0, 0, &info.name);
-    let cfg = AnnotateConfig::default();
-    let src = InfoGainSource::Scored(&scored);
-    let sum = annotate_sessions_with(&mut store, &ids, &head, None, src, &cfg).unwrap();
-    assert_eq!(sum.info_gain_turns, sum.turns);
-    for &sid in &ids {
-        let credit = store.turn_credit(sid).unwrap();
-        assert!(credit.iter().all(|c| c.info_gain.is_some()), "{credit:?}");
-    }
-    // log-probs that do not match the session's turns are a clear error, not a silent shift
-    let mut wrong = scored.clone();
-    wrong.get_mut(&ids[0]).unwrap().pop();
-    let src = InfoGainSource::Scored(&wrong);
-    let e = annotate_sessions_with(&mut store, &ids[..1], &head, None, src, &cfg).unwrap_err();
-    assert!(e.to_string().contains("reference log-probs"), "{e}");
+}
+
+/// Where information gain is scored, on the real model and a scripted refund without an id:
+/// after a turn's observation (the default), the question for the order number gains when the
+/// customer answers with it, and the lookup when the back office says the order was lost;
+/// scored right after the reply, the question gains next to nothing and the turn that writes
+/// the id gets the credit instead. The opening score is the same either way.
+#[test]
+fn information_gain_after_the_observation_credits_the_question_that_brought_the_id() {
+    use turnwise::demo::expert_conversation;
+    use turnwise::env::{self, Intent, Split};
+    use turnwise::learn::annotate::{
+        information_gain, reference_scores, IgBaseline, IgContext, IgSpace,
+    };
+    use turnwise::policy::sampler::Rng;
+    use turnwise::replay::{rescore_conversation, store_rescored};
+
+    let engine = crate::common::engine();
+    let mut rng = Rng::new(3);
+    let s = loop {
+        let s = env::scenario_for(&mut rng, Split::Train, Intent::Refund);
+        if !s.gives_id {
+            break s;
+        }
+    };
+    let dir = tempdir();
+    let mut store = Store::open(&dir.path().join("ig2.db")).unwrap();
+    let conv = expert_conversation(&s, 5);
+    let r = rescore_conversation(engine, &conv).unwrap();
+    let sid = store_rescored(&mut store, &r).unwrap().unwrap();
+    let turns = store.turns(sid).unwrap();
+    let texts: Vec<&str> = turns
+        .iter()
+        .filter(|t| t.role == turnwise::Role::Assistant)
+        .map(|t| t.text.as_str())
+        .collect();
+    assert!(texts[0].contains("order number"), "{texts:?}");
+    assert!(texts[1].starts_with("ACTION status"), "{texts:?}");
+    let reference = env::action_line(&s.ground_truth);
+    let ig = |ctx| {
+        let p = reference_scores(engine, &turns, &reference, ctx).unwrap();
+        assert_eq!(p.len(), texts.len() + 1);
+        (
+            p[0],
+            information_gain(&p, IgSpace::Logprob, IgBaseline::Opening),
+        )
+    };
+    let (p0_obs, obs) = ig(IgContext::Observation);
+    let (p0_rep, rep) = ig(IgContext::Reply);
+    eprintln!("after the observation {obs:?}\nafter the reply {rep:?}");
+    assert!((p0_obs - p0_rep).abs() < 0.05, "{p0_obs} {p0_rep}");
+    // the question brought the id: a large gain once the answer is in
+    assert!(obs[0] > 0.5, "{obs:?}");
+    assert!(obs[0] > rep[0] + 0.5, "{obs:?} / {rep:?}");
 }
 
 /// The demo rescores its demonstrations on several one-thread engines and stores them in the

@@ -754,10 +754,16 @@ fn a_shadow_adapter_knows_whether_it_would_have_written_the_same_reply() {
     assert_eq!(r.shadow_agrees, Some(true));
     assert_eq!(reply(&tiny, None, &greedy).tokens, own.tokens);
     // a change that moves the arg-max: it disagrees, and its own reply is another one
-    assert_eq!(reply(&base, Some(&large), &greedy).shadow_agrees, Some(false));
+    assert_eq!(
+        reply(&base, Some(&large), &greedy).shadow_agrees,
+        Some(false)
+    );
     assert_ne!(reply(&large, None, &greedy).tokens, own.tokens);
     // the other way round: the large adapter writes, the base shadows
-    assert_eq!(reply(&large, Some(&base), &greedy).shadow_agrees, Some(false));
+    assert_eq!(
+        reply(&large, Some(&base), &greedy).shadow_agrees,
+        Some(false)
+    );
     // sampled replies are not checked
     let sampled = SamplerParams {
         temperature: 0.7,

@@ -7,6 +7,7 @@ use anyhow::Context as _;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::demo::{report, wilson, Demo, DemoConfig, ProcessSignal, Progress};
+use turnwise::learn::annotate::IgContext;
 use turnwise::learn::Algo;
 use turnwise::policy::{Engine, OutputHead};
 
@@ -127,6 +128,10 @@ pub struct DemoArgs {
     /// cycle of the five intents) instead of a random intent per scenario
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     stratify: OnOff,
+    /// Rollout openings get a random greeting, closing or lower case (surface variation; the
+    /// demonstrations, the gate and the held-out set keep the plain templates)
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    paraphrase: OnOff,
     /// Lower clip bound of the RL ratio, `1 − ε_low` [default: the preset's, a2tgpo/atpo/gspo
     /// 3e-3, grpo 0.2]
     #[arg(long)]
@@ -140,6 +145,11 @@ pub struct DemoArgs {
     /// plays); off: the active adapter plays every gate scenario itself
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     shadow_gate: OnOff,
+    /// Where information gain scores a turn: after its reply and the tool result or customer
+    /// answer it brought back (observation), or right after the reply (reply, the earlier
+    /// versions)
+    #[arg(long, value_enum, default_value_t = IgContext::Observation)]
+    ig_context: IgContext,
 }
 
 /// Which digit tokens get no policy gradient.
@@ -198,7 +208,9 @@ impl DemoArgs {
         c.greedy_digits = self.greedy_digits == OnOff::On;
         c.id_slot = self.id_slot == OnOff::On;
         c.stratify = self.stratify == OnOff::On;
+        c.paraphrase = self.paraphrase == OnOff::On;
         c.shadow_gate = self.shadow_gate == OnOff::On;
+        c.ig_context = self.ig_context;
         if self.eps_low.is_some() || self.eps_high.is_some() {
             let p = turnwise::learn::TrainConfig::preset(c.algo).objective;
             c.eps = Some((

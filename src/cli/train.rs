@@ -11,7 +11,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::adapter::Adapter;
 use turnwise::assets;
 use turnwise::graph::Device;
-use turnwise::learn::annotate::{annotate_sessions, AnnotateConfig, IgBaseline, IgSpace};
+use turnwise::learn::annotate::{
+    annotate_sessions, AnnotateConfig, IgBaseline, IgContext, IgSpace,
+};
 use turnwise::learn::objective::{Aggregation, ClipMode, Granularity};
 use turnwise::learn::{run_update, AdvantageMode, Algo, Backend, Selection, TrainConfig};
 use turnwise::policy::OutputHead;
@@ -148,6 +150,10 @@ pub struct AnnotateArgs {
     /// Baseline of the first turn's information gain
     #[arg(long, value_enum, default_value_t = IgBaseline::Opening)]
     ig_baseline: IgBaseline,
+    /// Where a turn's reference score is taken: after its reply and what came back
+    /// (observation) or right after the reply
+    #[arg(long, value_enum, default_value_t = IgContext::Observation)]
+    ig_context: IgContext,
     /// Skip information gain (no model is loaded)
     #[arg(long)]
     no_ig: bool,
@@ -221,6 +227,7 @@ pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<
     let cfg = AnnotateConfig {
         ig_space: args.ig_space,
         ig_baseline: args.ig_baseline,
+        ig_context: args.ig_context,
     };
     let sum = annotate_sessions(&mut store, &ids, &value, vid, engine.as_ref(), &cfg)?;
     println!(

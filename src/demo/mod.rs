@@ -21,7 +21,7 @@ use crate::adapter::{adapter_dir, Adapter};
 use crate::env::{self, Desk, Observation, Scenario, Split};
 use crate::error::{Error, Result};
 use crate::experience::{EntryRow, Evolution, Library, LibraryConfig};
-use crate::learn::annotate::{annotate_sessions_with, AnnotateConfig, InfoGainSource};
+use crate::learn::annotate::{annotate_sessions_with, AnnotateConfig, IgContext, InfoGainSource};
 use crate::learn::{run_update, Algo, Selection, TrainConfig};
 use crate::policy::sampler::Rng;
 use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams};
@@ -104,11 +104,18 @@ pub struct DemoConfig {
     /// rollout batches and validation-gate sets hold every intent equally often
     /// ([`env::stratified`]) instead of drawing each scenario's intent at random
     pub stratify: bool,
+    /// rollout openings get a random greeting, closing or lower case ([`env::paraphrase`]);
+    /// demonstrations, the validation gate and the held-out set keep the plain templates
+    pub paraphrase: bool,
     /// overrides of the preset's clip range `[1 − ε_low, 1 + ε_high]` (None: the preset's;
     /// A²TGPO's turn ratios use 3e-3 / 4e-3, the released script's values for long sequences)
     pub eps: Option<(f64, f64)>,
     /// A²TGPO / ATPO process signal
     pub process: ProcessSignal,
+    /// where information gain scores each turn: after its reply and the observation it
+    /// brought back (the default: IGPO's and A²TGPO's interaction turn), or right after the
+    /// reply (the earlier versions of this demo)
+    pub ig_context: IgContext,
     /// largest |approx KL| of an update that may be activated
     pub gate_kl: f64,
     /// RL learning rate
@@ -186,8 +193,10 @@ impl DemoConfig {
             greedy_digits: true,
             id_slot: true,
             stratify: false,
+            paraphrase: false,
             eps: None,
             process: ProcessSignal::InfoGain,
+            ig_context: IgContext::Observation,
             gate_kl: 0.2,
             lr: 1e-3,
             epochs: 2,
@@ -416,6 +425,10 @@ pub struct PlaySettings {
     /// the engine's KV cache: only the reference line is decoded, where annotating the log
     /// afterwards decodes the whole session again
     pub score_reference: bool,
+    /// where each reply's score is taken ([`IgContext`]; `annotate_sessions` on the log
+    /// computes the same numbers with the same setting,
+    /// [`crate::learn::annotate::reference_scores`])
+    pub ig_context: IgContext,
     /// constrain every reply's order-id slot to the order ids the conversation holds so far
     /// ([`DemoConfig::id_slot`], [`env::order_ids_in`])
     pub id_slot: bool,
@@ -456,6 +469,7 @@ pub fn play(
     // the session's tokens as the log will hold them (every turn's tokens, in order)
     let mut context: Vec<crate::policy::llama::Token> = Vec::new();
     let mut reference_logp = how.score_reference.then(Vec::new);
+    let after_observation = how.ig_context == IgContext::Observation;
     let mut shadow_agrees: Option<bool> = None;
     let session_id = match &log {
         Some(l) => Some(store.create_session(&NewSession {
@@ -492,18 +506,26 @@ pub fn play(
                     .collect();
                 p.id_slot = Some(env::order_ids_in(&said.join("\n")));
             }
-            let gen = engine.generate(key, std::mem::take(&mut pending), p.clone(), None)?;
+            // the reference is scored on the prompt before the reply is sampled: p_0 on the
+            // opening, and with IgContext::Observation p_{k} after reply k and its observation
+            let msgs = std::mem::take(&mut pending);
+            let gen = match &reference_logp {
+                Some(lp) if after_observation || lp.is_empty() => {
+                    engine.generate_scoring(key, msgs, p.clone(), &reference)?
+                }
+                _ => engine.generate(key, msgs, p.clone(), None)?,
+            };
+            if let (Some(lp), Some(x)) = (reference_logp.as_mut(), gen.reference_logp) {
+                lp.push(x);
+            }
             for t in &gen.prompt {
                 context.extend_from_slice(&t.tokens);
-            }
-            if let Some(lp) = reference_logp.as_mut().filter(|lp| lp.is_empty()) {
-                lp.push(engine.score_reference(context.clone(), false, &reference)?);
             }
             context.extend_from_slice(&gen.reply.tokens);
             if let Some(a) = gen.reply.shadow_agrees {
                 shadow_agrees = Some(shadow_agrees.unwrap_or(true) && a);
             }
-            if let Some(lp) = reference_logp.as_mut() {
+            if let Some(lp) = reference_logp.as_mut().filter(|_| !after_observation) {
                 lp.push(engine.score_reference(context.clone(), true, &reference)?);
             }
             if let Some(sid) = session_id {
@@ -518,7 +540,13 @@ pub fn play(
             match desk.step(&text) {
                 Observation::Customer(t) => pending.push(Message::new(Role::User, t)),
                 Observation::Tool(t) => pending.push(Message::new(Role::Tool, t)),
-                Observation::End => break,
+                Observation::End => {
+                    // nothing comes back after the last reply: its score is after the reply
+                    if let Some(lp) = reference_logp.as_mut().filter(|_| after_observation) {
+                        lp.push(engine.score_reference(context.clone(), true, &reference)?);
+                    }
+                    break;
+                }
             }
         }
         Ok::<_, Error>(())
@@ -817,6 +845,7 @@ impl<'a> Demo<'a> {
             },
             key: self.key(),
             score_reference: false,
+            ig_context: self.cfg.ig_context,
             id_slot: self.cfg.id_slot,
         };
         Job {
@@ -1050,10 +1079,13 @@ impl<'a> Demo<'a> {
         // balanced batches: the k-th scenario takes the k-th intent of a shuffled cycle
         let order = self.cfg.stratify.then(|| env::shuffled_intents(&mut rng));
         for k in 0..self.cfg.scenarios_per_iter {
-            let s = match &order {
+            let mut s = match &order {
                 Some(o) => env::scenario_for(&mut rng, Split::Train, o[k % o.len()]),
                 None => env::scenario(&mut rng, Split::Train),
             };
+            if self.cfg.paraphrase {
+                env::paraphrase(&mut rng, &mut s);
+            }
             for g in 0..self.cfg.group_size {
                 let mut p = params.clone();
                 p.seed = rng.next_u64();
@@ -1067,6 +1099,7 @@ impl<'a> Demo<'a> {
                     params: p,
                     key,
                     score_reference,
+                    ig_context: self.cfg.ig_context,
                     id_slot: self.cfg.id_slot,
                 };
                 jobs.push(Job {
@@ -1108,7 +1141,10 @@ impl<'a> Demo<'a> {
                 &value_head,
                 self.active.as_ref().map(|a| a.0),
                 info_gain,
-                &AnnotateConfig::default(),
+                &AnnotateConfig {
+                    ig_context: self.cfg.ig_context,
+                    ..AnnotateConfig::default()
+                },
             )?;
         }
         progress(Progress::Tick(&label));

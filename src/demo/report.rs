@@ -212,18 +212,31 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         "Model `{}`; {} held-out scenarios (templates never used in training), greedy replies, at most {} agent replies of {} tokens. \
          Order ids written through the id slot (only ids the conversation holds): {}. \
          Warm start: {} scripted-expert demonstrations, {} epochs of supervised fine-tuning{}. \
-         RL: {} scenarios{} × {} rollouts per iteration at temperature {}{}, lr {}{}, {} epochs, process signal `{:?}`, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
+         RL: {} scenarios{} × {} rollouts per iteration at temperature {}{}, lr {}{}, {} epochs, process signal `{:?}`{}, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
         r.model, c.eval_scenarios, c.patience, c.max_tokens,
         if c.id_slot { "on" } else { "off" },
         c.demos, c.warm_epochs,
         if c.warm_digit_class { " (digits as a class)" } else { "" },
         c.scenarios_per_iter,
-        if c.stratify { " (intents balanced)" } else { "" },
+        match (c.stratify, c.paraphrase) {
+            (true, true) => " (intents balanced, openings paraphrased)",
+            (true, false) => " (intents balanced)",
+            (false, true) => " (openings paraphrased)",
+            (false, false) => "",
+        },
         c.group_size, c.temperature,
         if c.greedy_digits { " (digits greedy)" } else { "" },
         c.lr,
         c.eps.map_or(String::new(), |(lo, hi)| format!(", clip range [1 − {lo}, 1 + {hi}]")),
         c.epochs, c.process,
+        if c.process == crate::demo::ProcessSignal::InfoGain {
+            match c.ig_context {
+                crate::learn::annotate::IgContext::Observation => " (each turn scored after what it brought back)",
+                crate::learn::annotate::IgContext::Reply => " (each turn scored right after its reply)",
+            }
+        } else {
+            ""
+        },
         if c.mask_digits {
             "masked from the policy gradient"
         } else if c.mask_negative_digits {
@@ -320,7 +333,9 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
                     pct(as_),
                     i.gate_replayed
                         .filter(|(r, n)| r < n)
-                        .map_or(String::new(), |(r, n)| format!(", active replayed {r} of {n}"))
+                        .map_or(String::new(), |(r, n)| format!(
+                            ", active replayed {r} of {n}"
+                        ))
                 )),
             if i.activated { "yes" } else { "no" },
             f("approx_kl"),

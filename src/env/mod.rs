@@ -95,6 +95,59 @@ pub struct Scenario {
     pub distractor: Option<u32>,
     /// the correct final action
     pub ground_truth: Action,
+    /// how the customer dresses the opening message up ([`paraphrase`]); `None`: the template
+    /// as it is
+    pub style: Option<Style>,
+}
+
+/// Surface variation of an opening message that leaves its meaning alone: a greeting before
+/// it, a closing after it, all in lower case. Applied to RL rollouts only (`turnwise demo
+/// --paraphrase on`): live customers phrase the same request in many ways, and a policy that
+/// trained on three templates per intent learns the templates' surface as much as the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Style {
+    /// index into [`GREETINGS`]
+    pub greeting: Option<usize>,
+    /// index into [`CLOSINGS`]
+    pub closing: Option<usize>,
+    /// the whole message in lower case
+    pub lowercase: bool,
+}
+
+/// Greetings a paraphrased opening may start with.
+pub const GREETINGS: [&str; 5] = [
+    "Hi.",
+    "Hello.",
+    "Good afternoon.",
+    "Hey there.",
+    "Sorry to bother you.",
+];
+
+/// Closings a paraphrased opening may end with.
+pub const CLOSINGS: [&str; 5] = [
+    "Thanks.",
+    "Thank you!",
+    "Thanks in advance.",
+    "Please help.",
+    "It's urgent.",
+];
+
+/// Gives `scenario` a random [`Style`]: a greeting with probability 1/2, a closing with
+/// probability 1/2, lower case with probability 1/5 (so a fifth of the openings stay as the
+/// template writes them). Nothing else about the scenario changes.
+pub fn paraphrase(rng: &mut Rng, scenario: &mut Scenario) {
+    let mut pick = |n: usize| {
+        let r = rng.next_u64();
+        (r % 2 == 0).then(|| ((r / 2) % n as u64) as usize)
+    };
+    let greeting = pick(GREETINGS.len());
+    let closing = pick(CLOSINGS.len());
+    let lowercase = rng.next_u64() % 5 == 0;
+    scenario.style = Some(Style {
+        greeting,
+        closing,
+        lowercase,
+    });
 }
 
 const ITEMS: &[&str] = &[
@@ -289,6 +342,7 @@ pub fn scenario_for(rng: &mut Rng, split: Split, intent: Intent) -> Scenario {
         gives_id,
         distractor,
         ground_truth,
+        style: None,
     }
 }
 
@@ -303,8 +357,24 @@ impl Scenario {
                 .replace("order {id}", "my order")
                 .replace("{id}", "my order")
         };
-        t.replace("{item}", self.order.item)
-            .replace("{n}", &self.distractor.unwrap_or(3).to_string())
+        let t = t
+            .replace("{item}", self.order.item)
+            .replace("{n}", &self.distractor.unwrap_or(3).to_string());
+        match self.style {
+            None => t,
+            Some(st) => {
+                let mut parts = Vec::with_capacity(3);
+                parts.extend(st.greeting.map(|g| GREETINGS[g % GREETINGS.len()]));
+                parts.push(t.as_str());
+                parts.extend(st.closing.map(|c| CLOSINGS[c % CLOSINGS.len()]));
+                let joined = parts.join(" ");
+                if st.lowercase {
+                    joined.to_lowercase()
+                } else {
+                    joined
+                }
+            }
+        }
     }
 
     /// The customer's answer to an agent reply that took no action: the order id or the new
@@ -760,6 +830,78 @@ mod tests {
             let (i, j) = (ans.find(&id), ans.find(&a.new_address));
             assert!(i.is_some() && j.is_some() && i < j, "{ans}");
         }
+    }
+
+    #[test]
+    fn paraphrases_dress_the_opening_up_and_change_nothing_else() {
+        let mut rng = Rng::new(17);
+        let (mut greeted, mut closed, mut lower, mut plain) = (0, 0, 0, 0);
+        for _ in 0..400 {
+            let s = scenario(&mut rng, Split::Train);
+            let mut p = s.clone();
+            paraphrase(&mut rng, &mut p);
+            let st = p.style.expect("a style");
+            // everything but the style is the scenario's
+            assert_eq!(
+                Scenario {
+                    style: None,
+                    ..p.clone()
+                },
+                s
+            );
+            let (o, q) = (s.opening(), p.opening());
+            assert!(
+                q.to_lowercase().contains(&o.to_lowercase()),
+                "{q:?} / {o:?}"
+            );
+            if let Some(g) = st.greeting {
+                let g = GREETINGS[g];
+                assert!(
+                    q.to_lowercase()
+                        .starts_with(&format!("{} ", g.to_lowercase())),
+                    "{q}"
+                );
+                greeted += 1;
+            }
+            if let Some(c) = st.closing {
+                assert!(
+                    q.to_lowercase()
+                        .ends_with(&format!(" {}", CLOSINGS[c].to_lowercase())),
+                    "{q}"
+                );
+                closed += 1;
+            }
+            if st.lowercase {
+                assert_eq!(q, q.to_lowercase());
+                lower += 1;
+            }
+            if q == o {
+                plain += 1;
+            }
+            // the customer still answers with the id, and the ids the slot may write are the same
+            assert_eq!(
+                p.answer("What is your order number?"),
+                s.answer("What is your order number?")
+            );
+            assert_eq!(order_ids_in(&q), order_ids_in(&o));
+        }
+        // about 1/2, 1/2, 1/5 and 1/5 of 400
+        for (n, lo, hi) in [
+            (greeted, 160, 240),
+            (closed, 160, 240),
+            (lower, 50, 110),
+            (plain, 50, 110),
+        ] {
+            assert!((lo..=hi).contains(&n), "{greeted} {closed} {lower} {plain}");
+        }
+        // deterministic under the seed
+        let draw = |seed| {
+            let mut r = Rng::new(seed);
+            let mut s = scenario(&mut r, Split::Train);
+            paraphrase(&mut r, &mut s);
+            s.opening()
+        };
+        assert_eq!(draw(5), draw(5));
     }
 
     #[test]

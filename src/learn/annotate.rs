@@ -5,14 +5,15 @@
 //! - success contribution: `c_t = V(s_{t+1}) − V(s_t)` with the value head, `V(s_{T+1})` the
 //!   outcome (in [0, 1]) of a finished session;
 //! - information gain, when a ground truth exists: `ig_t = p_t − p_{t−1}` with `p_t` the
-//!   teacher-forced mean log-prob of the reference after turn `t` under the frozen policy.
+//!   teacher-forced mean log-prob of the reference after turn `t` under the frozen policy —
+//!   by default after the turn's reply *and* the observation it brought back ([`IgContext`]).
 
 use serde::{Deserialize, Serialize};
 
 use crate::adapter::Adapter;
 use crate::error::{Error, Result};
 use crate::policy::Engine;
-use crate::store::{NewAnnotation, Store};
+use crate::store::{NewAnnotation, Store, TurnRecord};
 use crate::Role;
 
 /// `p_t` in log-prob space (default, as the released code) or probability space (the paper).
@@ -33,6 +34,58 @@ pub enum IgBaseline {
     Opening,
     /// the first turn gets 0 (released code)
     FirstTurn,
+}
+
+/// Where `p_t`, the reference's score after turn `t`, is measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum IgContext {
+    /// after the turn's reply and what it brought back — the tool's result or the customer's
+    /// answer, i.e. right before the next assistant turn; the last turn, after which nothing
+    /// comes back, after its reply. IGPO's and A²TGPO's interaction turn is the call with its
+    /// result: a question for the order number gains when the customer answers with it, a
+    /// lookup when the back office says what state the order is in.
+    Observation,
+    /// right after the turn's reply, before its observation (this project's first version: a
+    /// reply gains by writing the reference itself, an information-seeking question gets ~0)
+    Reply,
+}
+
+/// The frozen policy's scores of `reference` along a logged session: `p[0]` on the context
+/// before the first assistant turn, then `p[t]` after each assistant turn `t` as `ctx` says
+/// ([`IgContext`]); `T + 1` numbers for `T` assistant turns (none without one).
+///
+/// # Errors
+/// Engine errors.
+pub fn reference_scores(
+    engine: &Engine,
+    turns: &[TurnRecord],
+    reference: &str,
+    ctx: IgContext,
+) -> Result<Vec<f64>> {
+    let mut context: Vec<i32> = Vec::new();
+    let mut p = Vec::new();
+    let mut after_last = None;
+    for t in turns {
+        let assistant = t.role == Role::Assistant;
+        if assistant && (p.is_empty() || ctx == IgContext::Observation) {
+            // the context ends with the assistant opening of this turn
+            p.push(engine.score_reference(context.clone(), false, reference)?);
+        }
+        context.extend_from_slice(&t.token_ids);
+        if assistant {
+            match ctx {
+                IgContext::Reply => {
+                    p.push(engine.score_reference(context.clone(), true, reference)?);
+                }
+                IgContext::Observation => after_last = Some(context.clone()),
+            }
+        }
+    }
+    if let Some(c) = after_last {
+        p.push(engine.score_reference(c, true, reference)?);
+    }
+    Ok(p)
 }
 
 /// `(value_before, value_after, contribution)` per assistant turn. `values[t] = V(s_t)`;
@@ -79,6 +132,8 @@ pub struct AnnotateConfig {
     pub ig_space: IgSpace,
     /// information-gain baseline
     pub ig_baseline: IgBaseline,
+    /// where each turn's reference score is measured
+    pub ig_context: IgContext,
 }
 
 impl Default for AnnotateConfig {
@@ -86,6 +141,7 @@ impl Default for AnnotateConfig {
         AnnotateConfig {
             ig_space: IgSpace::Logprob,
             ig_baseline: IgBaseline::Opening,
+            ig_context: IgContext::Observation,
         }
     }
 }
@@ -190,19 +246,7 @@ pub fn annotate_sessions_with(
             .collect();
         let p = match (info_gain, reference) {
             (InfoGainSource::Engine(engine), Some(reference)) => {
-                // p_0 on the opening context, p_t after each assistant turn
-                let mut context: Vec<i32> = Vec::new();
-                let mut p = Vec::new();
-                for t in &turns {
-                    if t.role == Role::Assistant && p.is_empty() {
-                        p.push(engine.score_reference(context.clone(), false, reference)?);
-                    }
-                    context.extend_from_slice(&t.token_ids);
-                    if t.role == Role::Assistant {
-                        p.push(engine.score_reference(context.clone(), true, reference)?);
-                    }
-                }
-                Some(p)
+                Some(reference_scores(engine, &turns, reference, cfg.ig_context)?)
             }
             (InfoGainSource::Scored(m), Some(_)) => match m.get(&sid) {
                 Some(p) if p.len() == assistant.len() + 1 => Some(p.clone()),

@@ -135,6 +135,9 @@ pub struct Generation {
     pub prompt: Vec<PromptTurn>,
     /// the reply
     pub reply: Reply,
+    /// with [`Engine::generate_scoring`]: the frozen policy's mean log-prob of the reference
+    /// as the assistant's reply to the prompt, scored before the reply was sampled
+    pub reference_logp: Option<f64>,
 }
 
 /// Log-probs and hidden states of chosen positions of a token sequence, from one prefill.
@@ -156,6 +159,7 @@ enum Command {
         messages: Vec<Message>,
         params: SamplerParams,
         stream: Option<UnboundedSender<String>>,
+        reference: Option<String>,
         reply: Reply1<Generation>,
     },
     Append {
@@ -271,6 +275,33 @@ impl Engine {
             messages,
             params,
             stream,
+            reference: None,
+            reply,
+        }))
+    }
+
+    /// [`Engine::generate`] that first scores `reference` as the assistant's reply to the
+    /// prompt, with the frozen policy (adapter off), while the prompt is in the KV cache
+    /// ([`Generation::reference_logp`]; the same number as [`Engine::score_reference`] on the
+    /// prompt's tokens). Only the reference's tokens are decoded for it; the reply is sampled
+    /// after it as it would have been without.
+    ///
+    /// # Errors
+    /// As [`Engine::generate`]; [`Error::Invalid`] for an empty reference.
+    pub fn generate_scoring(
+        &self,
+        session: u64,
+        messages: Vec<Message>,
+        params: SamplerParams,
+        reference: &str,
+    ) -> Result<Generation> {
+        let reference = Some(reference.to_string());
+        Self::wait(self.call(|reply| Command::Generate {
+            session,
+            messages,
+            params,
+            stream: None,
+            reference,
             reply,
         }))
     }
@@ -291,6 +322,7 @@ impl Engine {
             messages,
             params,
             stream,
+            reference: None,
             reply,
         });
         rx.await.map_err(|_| Error::EngineGone)?
@@ -516,9 +548,16 @@ impl Worker {
                     messages,
                     params,
                     stream,
+                    reference,
                     reply,
                 } => {
-                    let r = self.generate(session, messages, &params, stream.as_ref());
+                    let r = self.generate(
+                        session,
+                        messages,
+                        &params,
+                        stream.as_ref(),
+                        reference.as_deref(),
+                    );
                     let _ = reply.send(r);
                 }
                 Command::Append {
@@ -707,17 +746,30 @@ impl Worker {
         messages: Vec<Message>,
         p: &SamplerParams,
         stream: Option<&UnboundedSender<String>>,
+        reference: Option<&str>,
     ) -> Result<Generation> {
         if p.max_tokens == 0 {
             return Err(Error::Invalid("max_tokens must be at least 1".into()));
         }
         let previous = self.sessions.get(&session).cloned();
         let (prompt, conv) = self.append(session, messages, true, p.max_tokens)?;
-        let result = self.sample_reply(conv, p, stream);
+        // the reference after the prompt: its tokens are decoded after the prompt and the
+        // reply's sampling then keeps the prompt's cache (one row of it is decoded again)
+        let scored = match reference {
+            Some(r) => self
+                .score_reference(conv.tokens.clone(), false, r)
+                .map(Some),
+            None => Ok(None),
+        };
+        let result = scored.and_then(|lp| self.sample_reply(conv, p, stream).map(|r| (r, lp)));
         match result {
-            Ok((conv, reply)) => {
+            Ok(((conv, reply), reference_logp)) => {
                 self.sessions.insert(session, conv);
-                Ok(Generation { prompt, reply })
+                Ok(Generation {
+                    prompt,
+                    reply,
+                    reference_logp,
+                })
             }
             Err(e) => {
                 // leave the session as it was before this request
@@ -776,9 +828,7 @@ impl Worker {
                 let mut top = sampler::top_k(masked.as_deref().unwrap_or(sl), 2);
                 top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
                 let wins = match top.as_slice() {
-                    [best, second, ..] => {
-                        best.0 == s.token && best.1 - second.1 > SHADOW_MARGIN
-                    }
+                    [best, second, ..] => best.0 == s.token && best.1 - second.1 > SHADOW_MARGIN,
                     [best] => best.0 == s.token,
                     [] => false,
                 };
