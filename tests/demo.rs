@@ -440,7 +440,8 @@ fn information_gain_scored_while_playing_matches_rescoring_the_log() {
     use turnwise::demo::{play, LogMeta, PlaySettings};
     use turnwise::env::{self, Split};
     use turnwise::learn::annotate::{
-        annotate_sessions_with, reference_scores, AnnotateConfig, IgContext, InfoGainSource,
+        annotate_sessions_with, reference_scores, AnnotateConfig, IgContext, IgPolicy,
+        InfoGainSource,
     };
     use turnwise::policy::sampler::{Rng, SamplerParams};
 
@@ -462,6 +463,7 @@ fn information_gain_scored_while_playing_matches_rescoring_the_log() {
                 key: crate::common::session_key(),
                 score_reference: true,
                 ig_context: ctx,
+                ig_policy: IgPolicy::Frozen,
                 id_slot: false,
             };
             let log = LogMeta {
@@ -474,7 +476,7 @@ fn information_gain_scored_while_playing_matches_rescoring_the_log() {
             // the same numbers from the log, as annotating it afterwards computes them
             let reference = store.session(sid).unwrap().reference.unwrap();
             let turns = store.turns(sid).unwrap();
-            let q = reference_scores(engine, &turns, &reference, ctx).unwrap();
+            let q = reference_scores(engine, &turns, &reference, ctx, IgPolicy::Frozen).unwrap();
             assert_eq!(p.len(), assistant_turns(&store, sid) + 1);
             assert_eq!(p.len(), q.len());
             // llama.cpp's numbers depend on how the context was batched (generated token by
@@ -520,7 +522,7 @@ fn information_gain_after_the_observation_credits_the_question_that_brought_the_
     use turnwise::demo::expert_conversation;
     use turnwise::env::{self, Intent, Split};
     use turnwise::learn::annotate::{
-        information_gain, reference_scores, IgBaseline, IgContext, IgSpace,
+        information_gain, reference_scores, IgBaseline, IgContext, IgPolicy, IgSpace,
     };
     use turnwise::policy::sampler::Rng;
     use turnwise::replay::{rescore_conversation, store_rescored};
@@ -548,7 +550,7 @@ fn information_gain_after_the_observation_credits_the_question_that_brought_the_
     assert!(texts[1].starts_with("ACTION status"), "{texts:?}");
     let reference = env::action_line(&s.ground_truth);
     let ig = |ctx| {
-        let p = reference_scores(engine, &turns, &reference, ctx).unwrap();
+        let p = reference_scores(engine, &turns, &reference, ctx, IgPolicy::Frozen).unwrap();
         assert_eq!(p.len(), texts.len() + 1);
         (
             p[0],

@@ -775,3 +775,59 @@ fn a_shadow_adapter_knows_whether_it_would_have_written_the_same_reply() {
     let wrong = Adapter::fresh(h.n_embd() + 1, h.n_vocab(), 8, 16.0, 0, "other");
     assert!(engine.set_shadow(Some(Arc::new(wrong))).is_err());
 }
+
+/// Information gain scored by the policy that samples (`IgPolicy::Sampling`): the engine adds
+/// its adapter's low-rank term to every scored row, exactly as a hand computation from the
+/// rescored hidden states does (base logits from the dequantised head, the adapter, a
+/// log-softmax, the mean over the reference's tokens); the frozen score is the base model's.
+#[test]
+fn a_reference_is_scored_by_the_frozen_policy_or_with_the_adapter() {
+    let engine = private_engine();
+    let h = head();
+    let mut ad = Adapter::fresh(h.n_embd(), h.n_vocab(), 8, 16.0, 3, "test");
+    let mut rng = Rng::new(8);
+    ad.b.mapv_inplace(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.05) as f32);
+    engine
+        .set_adapter(Some((1, Arc::new(ad.clone()))))
+        .unwrap();
+    let msgs = vec![
+        Message::new(Role::System, "You are a support agent."),
+        Message::new(Role::User, "Please refund order 48213."),
+    ];
+    engine.append(5, msgs).unwrap();
+    let prefix = engine.session_tokens(5).unwrap();
+    engine.close(5);
+    let reference = "ACTION refund 48213";
+    let frozen = engine
+        .score_reference_by(prefix.clone(), false, reference, false)
+        .unwrap();
+    let adapted = engine
+        .score_reference_by(prefix.clone(), false, reference, true)
+        .unwrap();
+    assert_eq!(
+        frozen,
+        engine.score_reference(prefix.clone(), false, reference).unwrap()
+    );
+    // by hand from one prefill of the same tokens
+    let ref_tokens = engine.tokenize(reference).unwrap();
+    let mut tokens = prefix.clone();
+    tokens.extend(&ref_tokens);
+    let positions: Vec<usize> = (prefix.len()..tokens.len()).collect();
+    let r = engine.rescore(tokens.clone(), positions.clone()).unwrap();
+    let hid = Array2::from_shape_vec((positions.len(), h.n_embd()), r.hidden).unwrap();
+    let base = h.base_logits(hid.view()).unwrap();
+    let (mut by_hand, mut by_hand_base) = (0.0, 0.0);
+    for (k, &j) in positions.iter().enumerate() {
+        let mut row = base.row(k).to_vec();
+        let t = tokens[j] as usize;
+        by_hand_base += row[t] as f64 - sampler::logsumexp(&row);
+        ad.apply(hid.row(k).as_slice().unwrap(), &mut row);
+        by_hand += row[t] as f64 - sampler::logsumexp(&row);
+    }
+    let n = positions.len() as f64;
+    let (by_hand, by_hand_base) = (by_hand / n, by_hand_base / n);
+    eprintln!("frozen {frozen} (by hand {by_hand_base}), adapted {adapted} (by hand {by_hand})");
+    assert!((frozen - by_hand_base).abs() < 1e-3, "{frozen} {by_hand_base}");
+    assert!((adapted - by_hand).abs() < 1e-3, "{adapted} {by_hand}");
+    assert!((adapted - frozen).abs() > 1e-2, "{adapted} {frozen}");
+}

@@ -7,7 +7,7 @@ use anyhow::Context as _;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::demo::{report, wilson, Demo, DemoConfig, ProcessSignal, Progress};
-use turnwise::learn::annotate::IgContext;
+use turnwise::learn::annotate::{IgContext, IgPolicy};
 use turnwise::learn::Algo;
 use turnwise::policy::{Engine, OutputHead};
 
@@ -150,6 +150,10 @@ pub struct DemoArgs {
     /// versions)
     #[arg(long, value_enum, default_value_t = IgContext::Observation)]
     ig_context: IgContext,
+    /// Which policy scores information gain: the base model (frozen) or the active adapter
+    /// that sampled the rollout (sampling)
+    #[arg(long, value_enum, default_value_t = IgPolicy::Frozen)]
+    ig_policy: IgPolicy,
 }
 
 /// Which digit tokens get no policy gradient.
@@ -211,6 +215,7 @@ impl DemoArgs {
         c.paraphrase = self.paraphrase == OnOff::On;
         c.shadow_gate = self.shadow_gate == OnOff::On;
         c.ig_context = self.ig_context;
+        c.ig_policy = self.ig_policy;
         if self.eps_low.is_some() || self.eps_high.is_some() {
             let p = turnwise::learn::TrainConfig::preset(c.algo).objective;
             c.eps = Some((

@@ -12,7 +12,7 @@ use turnwise::adapter::Adapter;
 use turnwise::assets;
 use turnwise::graph::Device;
 use turnwise::learn::annotate::{
-    annotate_sessions, AnnotateConfig, IgBaseline, IgContext, IgSpace,
+    annotate_sessions, AnnotateConfig, IgBaseline, IgContext, IgPolicy, IgSpace,
 };
 use turnwise::learn::objective::{Aggregation, ClipMode, Granularity};
 use turnwise::learn::{run_update, AdvantageMode, Algo, Backend, Selection, TrainConfig};
@@ -154,6 +154,10 @@ pub struct AnnotateArgs {
     /// (observation) or right after the reply
     #[arg(long, value_enum, default_value_t = IgContext::Observation)]
     ig_context: IgContext,
+    /// Which policy scores information gain: the base model (frozen) or the active adapter
+    /// (sampling)
+    #[arg(long, value_enum, default_value_t = IgPolicy::Frozen)]
+    ig_policy: IgPolicy,
     /// Skip information gain (no model is loaded)
     #[arg(long)]
     no_ig: bool,
@@ -220,7 +224,11 @@ pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<
     let engine = if needs_ig {
         let mut c = turnwise::EngineConfig::new(model);
         c.verbose = verbose;
-        Some(turnwise::Engine::start(c)?)
+        let e = turnwise::Engine::start(c)?;
+        if args.ig_policy == IgPolicy::Sampling {
+            e.set_adapter(active_adapter(&store)?)?;
+        }
+        Some(e)
     } else {
         None
     };
@@ -228,6 +236,7 @@ pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<
         ig_space: args.ig_space,
         ig_baseline: args.ig_baseline,
         ig_context: args.ig_context,
+        ig_policy: args.ig_policy,
     };
     let sum = annotate_sessions(&mut store, &ids, &value, vid, engine.as_ref(), &cfg)?;
     println!(

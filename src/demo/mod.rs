@@ -21,7 +21,9 @@ use crate::adapter::{adapter_dir, Adapter};
 use crate::env::{self, Desk, Observation, Scenario, Split};
 use crate::error::{Error, Result};
 use crate::experience::{EntryRow, Evolution, Library, LibraryConfig};
-use crate::learn::annotate::{annotate_sessions_with, AnnotateConfig, IgContext, InfoGainSource};
+use crate::learn::annotate::{
+    annotate_sessions_with, AnnotateConfig, IgContext, IgPolicy, InfoGainSource,
+};
 use crate::learn::{run_update, Algo, Selection, TrainConfig};
 use crate::policy::sampler::Rng;
 use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams};
@@ -116,6 +118,9 @@ pub struct DemoConfig {
     /// brought back (the default: IGPO's and A²TGPO's interaction turn), or right after the
     /// reply (the earlier versions of this demo)
     pub ig_context: IgContext,
+    /// which policy scores information gain: the base model (frozen, the default) or the
+    /// active adapter that sampled the rollout
+    pub ig_policy: IgPolicy,
     /// largest |approx KL| of an update that may be activated
     pub gate_kl: f64,
     /// RL learning rate
@@ -197,6 +202,7 @@ impl DemoConfig {
             eps: None,
             process: ProcessSignal::InfoGain,
             ig_context: IgContext::Observation,
+            ig_policy: IgPolicy::Frozen,
             gate_kl: 0.2,
             lr: 1e-3,
             epochs: 2,
@@ -429,6 +435,9 @@ pub struct PlaySettings {
     /// computes the same numbers with the same setting,
     /// [`crate::learn::annotate::reference_scores`])
     pub ig_context: IgContext,
+    /// which policy scores it ([`IgPolicy`]; `Sampling`: the engine's adapter, the one that
+    /// samples the session)
+    pub ig_policy: IgPolicy,
     /// constrain every reply's order-id slot to the order ids the conversation holds so far
     /// ([`DemoConfig::id_slot`], [`env::order_ids_in`])
     pub id_slot: bool,
@@ -470,6 +479,7 @@ pub fn play(
     let mut context: Vec<crate::policy::llama::Token> = Vec::new();
     let mut reference_logp = how.score_reference.then(Vec::new);
     let after_observation = how.ig_context == IgContext::Observation;
+    let adapted = how.ig_policy == IgPolicy::Sampling;
     let mut shadow_agrees: Option<bool> = None;
     let session_id = match &log {
         Some(l) => Some(store.create_session(&NewSession {
@@ -511,7 +521,7 @@ pub fn play(
             let msgs = std::mem::take(&mut pending);
             let gen = match &reference_logp {
                 Some(lp) if after_observation || lp.is_empty() => {
-                    engine.generate_scoring(key, msgs, p.clone(), &reference)?
+                    engine.generate_scoring(key, msgs, p.clone(), &reference, adapted)?
                 }
                 _ => engine.generate(key, msgs, p.clone(), None)?,
             };
@@ -526,7 +536,7 @@ pub fn play(
                 shadow_agrees = Some(shadow_agrees.unwrap_or(true) && a);
             }
             if let Some(lp) = reference_logp.as_mut().filter(|_| !after_observation) {
-                lp.push(engine.score_reference(context.clone(), true, &reference)?);
+                lp.push(engine.score_reference_by(context.clone(), true, &reference, adapted)?);
             }
             if let Some(sid) = session_id {
                 let ids =
@@ -543,7 +553,8 @@ pub fn play(
                 Observation::End => {
                     // nothing comes back after the last reply: its score is after the reply
                     if let Some(lp) = reference_logp.as_mut().filter(|_| after_observation) {
-                        lp.push(engine.score_reference(context.clone(), true, &reference)?);
+                        let c = context.clone();
+                        lp.push(engine.score_reference_by(c, true, &reference, adapted)?);
                     }
                     break;
                 }
@@ -846,6 +857,7 @@ impl<'a> Demo<'a> {
             key: self.key(),
             score_reference: false,
             ig_context: self.cfg.ig_context,
+            ig_policy: self.cfg.ig_policy,
             id_slot: self.cfg.id_slot,
         };
         Job {
@@ -1100,6 +1112,7 @@ impl<'a> Demo<'a> {
                     key,
                     score_reference,
                     ig_context: self.cfg.ig_context,
+                    ig_policy: self.cfg.ig_policy,
                     id_slot: self.cfg.id_slot,
                 };
                 jobs.push(Job {
@@ -1143,6 +1156,7 @@ impl<'a> Demo<'a> {
                 info_gain,
                 &AnnotateConfig {
                     ig_context: self.cfg.ig_context,
+                    ig_policy: self.cfg.ig_policy,
                     ..AnnotateConfig::default()
                 },
             )?;

@@ -230,12 +230,20 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         c.eps.map_or(String::new(), |(lo, hi)| format!(", clip range [1 − {lo}, 1 + {hi}]")),
         c.epochs, c.process,
         if c.process == crate::demo::ProcessSignal::InfoGain {
-            match c.ig_context {
-                crate::learn::annotate::IgContext::Observation => " (each turn scored after what it brought back)",
-                crate::learn::annotate::IgContext::Reply => " (each turn scored right after its reply)",
-            }
+            use crate::learn::annotate::{IgContext, IgPolicy};
+            format!(
+                " (each turn scored {} by {})",
+                match c.ig_context {
+                    IgContext::Observation => "after what it brought back",
+                    IgContext::Reply => "right after its reply",
+                },
+                match c.ig_policy {
+                    IgPolicy::Frozen => "the base model",
+                    IgPolicy::Sampling => "the adapter that sampled it",
+                }
+            )
         } else {
-            ""
+            String::new()
         },
         if c.mask_digits {
             "masked from the policy gradient"

@@ -51,7 +51,21 @@ pub enum IgContext {
     Reply,
 }
 
-/// The frozen policy's scores of `reference` along a logged session: `p[0]` on the context
+/// Which policy scores the reference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum IgPolicy {
+    /// the base model, adapter off (this project's reading of ALGORITHMS.md's "frozen
+    /// policy")
+    Frozen,
+    /// the policy with the engine's current adapter — in the demo the active adapter that
+    /// sampled the rollout, i.e. π_old, frozen during the update (IGPO's "the model's own
+    /// belief"): the base model assigns an `ACTION` line about e^−10.7 whatever the context, the
+    /// warm-started policy does not
+    Sampling,
+}
+
+/// The scores of `reference` along a logged session by `policy`: `p[0]` on the context
 /// before the first assistant turn, then `p[t]` after each assistant turn `t` as `ctx` says
 /// ([`IgContext`]); `T + 1` numbers for `T` assistant turns (none without one).
 ///
@@ -62,7 +76,9 @@ pub fn reference_scores(
     turns: &[TurnRecord],
     reference: &str,
     ctx: IgContext,
+    policy: IgPolicy,
 ) -> Result<Vec<f64>> {
+    let adapted = policy == IgPolicy::Sampling;
     let mut context: Vec<i32> = Vec::new();
     let mut p = Vec::new();
     let mut after_last = None;
@@ -70,20 +86,20 @@ pub fn reference_scores(
         let assistant = t.role == Role::Assistant;
         if assistant && (p.is_empty() || ctx == IgContext::Observation) {
             // the context ends with the assistant opening of this turn
-            p.push(engine.score_reference(context.clone(), false, reference)?);
+            p.push(engine.score_reference_by(context.clone(), false, reference, adapted)?);
         }
         context.extend_from_slice(&t.token_ids);
         if assistant {
             match ctx {
                 IgContext::Reply => {
-                    p.push(engine.score_reference(context.clone(), true, reference)?);
+                    p.push(engine.score_reference_by(context.clone(), true, reference, adapted)?);
                 }
                 IgContext::Observation => after_last = Some(context.clone()),
             }
         }
     }
     if let Some(c) = after_last {
-        p.push(engine.score_reference(c, true, reference)?);
+        p.push(engine.score_reference_by(c, true, reference, adapted)?);
     }
     Ok(p)
 }
@@ -134,6 +150,9 @@ pub struct AnnotateConfig {
     pub ig_baseline: IgBaseline,
     /// where each turn's reference score is measured
     pub ig_context: IgContext,
+    /// which policy scores it (with [`IgPolicy::Sampling`], `annotate_sessions` uses the
+    /// engine's current adapter)
+    pub ig_policy: IgPolicy,
 }
 
 impl Default for AnnotateConfig {
@@ -142,6 +161,7 @@ impl Default for AnnotateConfig {
             ig_space: IgSpace::Logprob,
             ig_baseline: IgBaseline::Opening,
             ig_context: IgContext::Observation,
+            ig_policy: IgPolicy::Frozen,
         }
     }
 }
@@ -246,7 +266,13 @@ pub fn annotate_sessions_with(
             .collect();
         let p = match (info_gain, reference) {
             (InfoGainSource::Engine(engine), Some(reference)) => {
-                Some(reference_scores(engine, &turns, reference, cfg.ig_context)?)
+                Some(reference_scores(
+                    engine,
+                    &turns,
+                    reference,
+                    cfg.ig_context,
+                    cfg.ig_policy,
+                )?)
             }
             (InfoGainSource::Scored(m), Some(_)) => match m.get(&sid) {
                 Some(p) if p.len() == assistant.len() + 1 => Some(p.clone()),

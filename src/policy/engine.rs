@@ -159,7 +159,7 @@ enum Command {
         messages: Vec<Message>,
         params: SamplerParams,
         stream: Option<UnboundedSender<String>>,
-        reference: Option<String>,
+        reference: Option<(String, bool)>,
         reply: Reply1<Generation>,
     },
     Append {
@@ -201,6 +201,7 @@ enum Command {
         prefix: Vec<Token>,
         after_assistant: bool,
         reference: String,
+        with_adapter: bool,
         reply: Reply1<f64>,
     },
 }
@@ -281,10 +282,10 @@ impl Engine {
     }
 
     /// [`Engine::generate`] that first scores `reference` as the assistant's reply to the
-    /// prompt, with the frozen policy (adapter off), while the prompt is in the KV cache
-    /// ([`Generation::reference_logp`]; the same number as [`Engine::score_reference`] on the
-    /// prompt's tokens). Only the reference's tokens are decoded for it; the reply is sampled
-    /// after it as it would have been without.
+    /// prompt, while the prompt is in the KV cache ([`Generation::reference_logp`]; the same
+    /// number as [`Engine::score_reference_by`] on the prompt's tokens, frozen policy or with
+    /// the adapter). Only the reference's tokens are decoded for it; the reply is sampled after
+    /// it as it would have been without.
     ///
     /// # Errors
     /// As [`Engine::generate`]; [`Error::Invalid`] for an empty reference.
@@ -294,8 +295,9 @@ impl Engine {
         messages: Vec<Message>,
         params: SamplerParams,
         reference: &str,
+        with_adapter: bool,
     ) -> Result<Generation> {
-        let reference = Some(reference.to_string());
+        let reference = Some((reference.to_string(), with_adapter));
         Self::wait(self.call(|reply| Command::Generate {
             session,
             messages,
@@ -412,11 +414,28 @@ impl Engine {
         after_assistant: bool,
         reference: &str,
     ) -> Result<f64> {
+        self.score_reference_by(prefix, after_assistant, reference, false)
+    }
+
+    /// [`Engine::score_reference`] by the frozen policy (`with_adapter` false: adapter off) or
+    /// by the policy that samples (`true`: with the engine's current adapter applied to every
+    /// scored position's logits, as sampling applies it).
+    ///
+    /// # Errors
+    /// As [`Engine::score_reference`].
+    pub fn score_reference_by(
+        &self,
+        prefix: Vec<Token>,
+        after_assistant: bool,
+        reference: &str,
+        with_adapter: bool,
+    ) -> Result<f64> {
         let reference = reference.to_string();
         Self::wait(self.call(|reply| Command::ScoreReference {
             prefix,
             after_assistant,
             reference,
+            with_adapter,
             reply,
         }))
     }
@@ -556,7 +575,7 @@ impl Worker {
                         messages,
                         &params,
                         stream.as_ref(),
-                        reference.as_deref(),
+                        reference.as_ref().map(|(r, a)| (r.as_str(), *a)),
                     );
                     let _ = reply.send(r);
                 }
@@ -572,7 +591,7 @@ impl Worker {
                     positions,
                     reply,
                 } => {
-                    let _ = reply.send(self.rescore(&tokens, &positions, false));
+                    let _ = reply.send(self.rescore(&tokens, &positions, false, None));
                 }
                 Command::Tokens { session, reply } => {
                     let r = self
@@ -625,9 +644,11 @@ impl Worker {
                     prefix,
                     after_assistant,
                     reference,
+                    with_adapter,
                     reply,
                 } => {
-                    let _ = reply.send(self.score_reference(prefix, after_assistant, &reference));
+                    let r = self.score_reference(prefix, after_assistant, &reference, with_adapter);
+                    let _ = reply.send(r);
                 }
                 Command::SetAdapter { adapter, reply } => {
                     self.adapter = adapter;
@@ -746,7 +767,7 @@ impl Worker {
         messages: Vec<Message>,
         p: &SamplerParams,
         stream: Option<&UnboundedSender<String>>,
-        reference: Option<&str>,
+        reference: Option<(&str, bool)>,
     ) -> Result<Generation> {
         if p.max_tokens == 0 {
             return Err(Error::Invalid("max_tokens must be at least 1".into()));
@@ -756,8 +777,8 @@ impl Worker {
         // the reference after the prompt: its tokens are decoded after the prompt and the
         // reply's sampling then keeps the prompt's cache (one row of it is decoded again)
         let scored = match reference {
-            Some(r) => self
-                .score_reference(conv.tokens.clone(), false, r)
+            Some((r, a)) => self
+                .score_reference(conv.tokens.clone(), false, r, a)
                 .map(Some),
             None => Ok(None),
         };
@@ -941,6 +962,7 @@ impl Worker {
         mut tokens: Vec<Token>,
         after_assistant: bool,
         reference: &str,
+        with_adapter: bool,
     ) -> Result<f64> {
         if after_assistant {
             tokens.extend(self.model.tokenize(&self.assistant_opening, false, true)?);
@@ -953,20 +975,27 @@ impl Worker {
             ));
         }
         let positions: Vec<usize> = (start..tokens.len()).collect();
-        // the frozen policy: no adapter is involved in rescoring
-        // consecutive calls share the session's prefix: only the new tail is decoded
-        let r = self.rescore(&tokens, &positions, true)?;
+        // the frozen policy unless asked for the adapter's; consecutive calls share the
+        // session's prefix: only the new tail is decoded
+        let adapter = self
+            .adapter
+            .as_ref()
+            .filter(|_| with_adapter)
+            .map(|a| a.1.clone());
+        let r = self.rescore(&tokens, &positions, true, adapter.as_deref())?;
         Ok(r.logp.iter().map(|&x| x as f64).sum::<f64>() / r.logp.len() as f64)
     }
 
     /// Log-probs and hidden states of `positions`. With `reuse_prefix` the cached prefix shared
     /// with `tokens` (up to the first scored row) is kept; without it everything is decoded from
-    /// scratch in `n_batch` chunks, as an import's rescoring always is.
+    /// scratch in `n_batch` chunks, as an import's rescoring always is. With `adapter`, its
+    /// low-rank term is added to every scored row's logits before the log-softmax.
     fn rescore(
         &mut self,
         tokens: &[Token],
         positions: &[usize],
         reuse_prefix: bool,
+        adapter: Option<&Adapter>,
     ) -> Result<Rescored> {
         if tokens.len() > self.ctx.n_ctx() {
             return Err(Error::ContextOverflow {
@@ -1013,12 +1042,21 @@ impl Worker {
                 .map(|(i, _)| i);
             for (k, i) in rows.enumerate() {
                 let row = pos + i;
-                let logits = self.ctx.logits(i);
-                let lp = logits[tokens[row + 1] as usize] as f64 - sampler::logsumexp(logits);
                 let hs = h
                     .get(k * self.n_embd..(k + 1) * self.n_embd)
                     .unwrap_or(&[])
                     .to_vec();
+                let adapted;
+                let logits = match adapter {
+                    Some(a) => {
+                        let mut l = self.ctx.logits(i).to_vec();
+                        a.apply(&hs, &mut l);
+                        adapted = l;
+                        &adapted[..]
+                    }
+                    None => self.ctx.logits(i),
+                };
+                let lp = logits[tokens[row + 1] as usize] as f64 - sampler::logsumexp(logits);
                 by_row.insert(row, (lp as f32, hs));
             }
             pos = end;
