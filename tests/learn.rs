@@ -787,9 +787,7 @@ fn a_reference_is_scored_by_the_frozen_policy_or_with_the_adapter() {
     let mut ad = Adapter::fresh(h.n_embd(), h.n_vocab(), 8, 16.0, 3, "test");
     let mut rng = Rng::new(8);
     ad.b.mapv_inplace(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.05) as f32);
-    engine
-        .set_adapter(Some((1, Arc::new(ad.clone()))))
-        .unwrap();
+    engine.set_adapter(Some((1, Arc::new(ad.clone())))).unwrap();
     let msgs = vec![
         Message::new(Role::System, "You are a support agent."),
         Message::new(Role::User, "Please refund order 48213."),
@@ -806,7 +804,9 @@ fn a_reference_is_scored_by_the_frozen_policy_or_with_the_adapter() {
         .unwrap();
     assert_eq!(
         frozen,
-        engine.score_reference(prefix.clone(), false, reference).unwrap()
+        engine
+            .score_reference(prefix.clone(), false, reference)
+            .unwrap()
     );
     // by hand from one prefill of the same tokens
     let ref_tokens = engine.tokenize(reference).unwrap();
@@ -827,7 +827,10 @@ fn a_reference_is_scored_by_the_frozen_policy_or_with_the_adapter() {
     let n = positions.len() as f64;
     let (by_hand, by_hand_base) = (by_hand / n, by_hand_base / n);
     eprintln!("frozen {frozen} (by hand {by_hand_base}), adapted {adapted} (by hand {by_hand})");
-    assert!((frozen - by_hand_base).abs() < 1e-3, "{frozen} {by_hand_base}");
+    assert!(
+        (frozen - by_hand_base).abs() < 1e-3,
+        "{frozen} {by_hand_base}"
+    );
     assert!((adapted - by_hand).abs() < 1e-3, "{adapted} {by_hand}");
     assert!((adapted - frozen).abs() > 1e-2, "{adapted} {frozen}");
 }

@@ -265,15 +265,13 @@ pub fn annotate_sessions_with(
             .map(|t| t.id)
             .collect();
         let p = match (info_gain, reference) {
-            (InfoGainSource::Engine(engine), Some(reference)) => {
-                Some(reference_scores(
-                    engine,
-                    &turns,
-                    reference,
-                    cfg.ig_context,
-                    cfg.ig_policy,
-                )?)
-            }
+            (InfoGainSource::Engine(engine), Some(reference)) => Some(reference_scores(
+                engine,
+                &turns,
+                reference,
+                cfg.ig_context,
+                cfg.ig_policy,
+            )?),
             (InfoGainSource::Scored(m), Some(_)) => match m.get(&sid) {
                 Some(p) if p.len() == assistant.len() + 1 => Some(p.clone()),
                 Some(p) => {
