@@ -886,8 +886,11 @@ impl<'a> Demo<'a> {
     /// better on the training phrasings and worse on new ones is measured, and rejected, as the
     /// held-out set would see it). Fresh at every gate, because an adapter
     /// that was activated for its score on a fixed set carries that set's luck with it (the
-    /// winner's curse): measured, a fixed 16-scenario set rejected every later candidate. The
-    /// engine is back on the active adapter afterwards.
+    /// winner's curse): measured, a fixed 16-scenario set rejected every later candidate. With
+    /// [`DemoConfig::shadow_gate`] the active adapter plays only the scenarios where it would
+    /// have chosen another token somewhere along the candidate's session (the rest are the
+    /// same sessions); the iteration's `gate_replayed` says how many. The engine is back on the
+    /// active adapter, without a shadow, afterwards.
     fn validation_gate(&mut self, candidate: i64) -> Result<[(f64, f64); 2]> {
         let scenarios: Vec<Scenario> = if self.cfg.stratify {
             env::stratified(&mut self.val_rng, Split::Validation, self.cfg.val_scenarios)
