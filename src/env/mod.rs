@@ -138,11 +138,11 @@ pub const CLOSINGS: [&str; 5] = [
 pub fn paraphrase(rng: &mut Rng, scenario: &mut Scenario) {
     let mut pick = |n: usize| {
         let r = rng.next_u64();
-        (r % 2 == 0).then(|| ((r / 2) % n as u64) as usize)
+        r.is_multiple_of(2).then(|| ((r / 2) % n as u64) as usize)
     };
     let greeting = pick(GREETINGS.len());
     let closing = pick(CLOSINGS.len());
-    let lowercase = rng.next_u64() % 5 == 0;
+    let lowercase = rng.next_u64().is_multiple_of(5);
     scenario.style = Some(Style {
         greeting,
         closing,

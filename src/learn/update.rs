@@ -167,7 +167,7 @@ impl TrainConfig {
         let o = &self.objective;
         let positive = |x: f64| x.is_finite() && x > 0.0;
         let bad = |m: &str| Err(Error::Invalid(m.into()));
-        if !(o.eps_low > 0.0 && o.eps_low < 1.0) || !positive(o.eps_high) {
+        if !(o.eps_low > 0.0 && o.eps_low < 1.0 && positive(o.eps_high)) {
             return bad("the clip range needs 0 < eps_low < 1 and eps_high > 0");
         }
         if !(self.lr.is_finite() && self.lr >= 0.0) {
@@ -182,9 +182,8 @@ impl TrainConfig {
         if o.tis_cap.is_some_and(|c| !(c.is_finite() && c >= 1.0)) {
             return bad("the TIS cap must be at least 1");
         }
-        if !(o.kl_coef.is_finite() && o.kl_coef >= 0.0)
-            || !(o.entropy_coef.is_finite() && o.entropy_coef >= 0.0)
-        {
+        let non_negative = |x: f64| x.is_finite() && x >= 0.0;
+        if !(non_negative(o.kl_coef) && non_negative(o.entropy_coef)) {
             return bad("the KL and entropy coefficients must be finite and not negative");
         }
         Ok(())

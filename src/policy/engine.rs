@@ -135,8 +135,9 @@ pub struct Generation {
     pub prompt: Vec<PromptTurn>,
     /// the reply
     pub reply: Reply,
-    /// with [`Engine::generate_scoring`]: the frozen policy's mean log-prob of the reference
-    /// as the assistant's reply to the prompt, scored before the reply was sampled
+    /// with [`Engine::generate_scoring`]: the mean log-prob of the reference as the
+    /// assistant's reply to the prompt (frozen policy, or with the adapter, as asked), scored
+    /// before the reply was sampled
     pub reference_logp: Option<f64>,
 }
 
