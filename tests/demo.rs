@@ -351,7 +351,7 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
         "{report}"
     );
     assert!(
-        report.contains("5 scenarios (intents balanced) × 2 rollouts")
+        report.contains("5 scenarios (intents balanced, openings paraphrased) × 2 rollouts")
             && report.contains("clip range [1 − 0.05, 1 + 0.07]"),
         "{report}"
     );

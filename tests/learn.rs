@@ -506,9 +506,13 @@ fn a_non_finite_update_is_rejected_and_nothing_is_activated() {
         (t.len() % 2) as f64
     });
     let mut cfg = TrainConfig::preset(Algo::Grpo);
+    // a NaN learning rate is refused before anything runs
     cfg.lr = f64::NAN;
-    cfg.epochs = 1;
-    // the NaN reaches the parameters after the first step; the second minibatch pass sees it
+    let e = train(&mut store, &db, None, &cfg).unwrap_err();
+    assert!(e.to_string().contains("learning rate"), "{e}");
+    // a finite one beyond f32: the parameters (f32) overflow at the first step, the second
+    // minibatch pass sees a non-finite loss, and the update is rejected whole
+    cfg.lr = f64::MAX;
     cfg.epochs = 2;
     let e = train(&mut store, &db, None, &cfg).unwrap_err();
     assert!(
