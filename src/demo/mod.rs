@@ -926,18 +926,13 @@ impl<'a> Demo<'a> {
             current[i] = (r.0, r.1);
         }
         self.gate_replayed = Some((replay.len(), scenarios.len()));
-        let mean = |v: &mut dyn Iterator<Item = (bool, f64)>| {
-            let (mut s, mut r, mut n) = (0.0, 0.0, 0usize);
-            for (ok, rew) in v {
-                s += f64::from(u8::from(ok));
-                r += rew;
-                n += 1;
-            }
-            let n = n.max(1) as f64;
-            (s / n, r / n)
+        let mean = |v: &[(bool, f64)]| {
+            let n = v.len().max(1) as f64;
+            let s = v.iter().filter(|x| x.0).count() as f64;
+            (s / n, v.iter().map(|x| x.1).sum::<f64>() / n)
         };
-        let c = mean(&mut cand.iter().map(|c| (c.0, c.1)));
-        let a = mean(&mut current.into_iter());
+        let c = mean(&cand.iter().map(|c| (c.0, c.1)).collect::<Vec<_>>());
+        let a = mean(&current);
         Ok([c, a])
     }
 
