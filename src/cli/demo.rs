@@ -132,6 +132,10 @@ pub struct DemoArgs {
     /// demonstrations, the gate and the held-out set keep the plain templates)
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     paraphrase: OnOff,
+    /// Customers repeat their request when they give the order id ("It's order 89941. I'd like
+    /// my money back."); off: the id alone (the earlier world)
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    restate: OnOff,
     /// Lower clip bound of the RL ratio, `1 − ε_low` [default: the preset's, a2tgpo/atpo/gspo
     /// 3e-3, grpo 0.2]
     #[arg(long)]
@@ -213,6 +217,7 @@ impl DemoArgs {
         c.id_slot = self.id_slot == OnOff::On;
         c.stratify = self.stratify == OnOff::On;
         c.paraphrase = self.paraphrase == OnOff::On;
+        c.restate = self.restate == OnOff::On;
         c.shadow_gate = self.shadow_gate == OnOff::On;
         c.ig_context = self.ig_context;
         c.ig_policy = self.ig_policy;

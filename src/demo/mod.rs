@@ -109,6 +109,9 @@ pub struct DemoConfig {
     /// rollout openings get a random greeting, closing or lower case ([`env::paraphrase`]);
     /// demonstrations, the validation gate and the held-out set keep the plain templates
     pub paraphrase: bool,
+    /// customers repeat their request when they give the order id ([`Scenario::restates`]) in
+    /// every scenario of the run: demonstrations, rollouts, the gate and the held-out set
+    pub restate: bool,
     /// overrides of the preset's clip range `[1 − ε_low, 1 + ε_high]` (None: the preset's;
     /// A²TGPO's turn ratios use 3e-3 / 4e-3, the released script's values for long sequences)
     pub eps: Option<(f64, f64)>,
@@ -199,6 +202,7 @@ impl DemoConfig {
             id_slot: true,
             stratify: false,
             paraphrase: false,
+            restate: true,
             eps: None,
             process: ProcessSignal::InfoGain,
             ig_context: IgContext::Observation,
@@ -345,6 +349,12 @@ pub enum Progress<'a> {
     Tick(&'a str),
     /// the phase is over
     Done(&'a str),
+}
+
+/// `s` with the run's [`DemoConfig::restate`] setting.
+fn restating(mut s: Scenario, on: bool) -> Scenario {
+    s.restates = on;
+    s
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -737,7 +747,7 @@ impl<'a> Demo<'a> {
         };
         let mut rng = Rng::new(cfg.seed ^ 0x4845_4c44_4f55_5421);
         let held_out = (0..cfg.eval_scenarios)
-            .map(|_| env::scenario(&mut rng, Split::HeldOut))
+            .map(|_| restating(env::scenario(&mut rng, Split::HeldOut), cfg.restate))
             .collect();
         Ok(Demo {
             engines,
@@ -898,7 +908,10 @@ impl<'a> Demo<'a> {
             (0..self.cfg.val_scenarios)
                 .map(|_| env::scenario(&mut self.val_rng, Split::Validation))
                 .collect()
-        };
+        }
+        .into_iter()
+        .map(|s| restating(s, self.cfg.restate))
+        .collect();
         let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, candidate))?);
         self.set_adapter(Some((candidate, ad)))?;
         // with the shadow check, the active adapter's greedy choices are checked along the
@@ -1008,7 +1021,10 @@ impl<'a> Demo<'a> {
         let mut rng = Rng::new(self.cfg.seed ^ 0x5741_524d);
         progress(Progress::Phase("demonstrations", self.cfg.demos));
         let demos: Vec<Conversation> = (0..self.cfg.demos)
-            .map(|_| expert_conversation(&env::scenario(&mut rng, Split::Train), self.cfg.patience))
+            .map(|_| {
+                let s = restating(env::scenario(&mut rng, Split::Train), self.cfg.restate);
+                expert_conversation(&s, self.cfg.patience)
+            })
             .collect();
         // rescored on every engine, stored in the order they were drawn (the warm start's
         // batches follow session order)
@@ -1089,10 +1105,13 @@ impl<'a> Demo<'a> {
         // balanced batches: the k-th scenario takes the k-th intent of a shuffled cycle
         let order = self.cfg.stratify.then(|| env::shuffled_intents(&mut rng));
         for k in 0..self.cfg.scenarios_per_iter {
-            let mut s = match &order {
-                Some(o) => env::scenario_for(&mut rng, Split::Train, o[k % o.len()]),
-                None => env::scenario(&mut rng, Split::Train),
-            };
+            let mut s = restating(
+                match &order {
+                    Some(o) => env::scenario_for(&mut rng, Split::Train, o[k % o.len()]),
+                    None => env::scenario(&mut rng, Split::Train),
+                },
+                self.cfg.restate,
+            );
             if self.cfg.paraphrase {
                 env::paraphrase(&mut rng, &mut s);
             }

@@ -211,10 +211,12 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         s,
         "Model `{}`; {} held-out scenarios (templates never used in training), greedy replies, at most {} agent replies of {} tokens. \
          Order ids written through the id slot (only ids the conversation holds): {}. \
+         Customers repeat their request when they give the order id: {}. \
          Warm start: {} scripted-expert demonstrations, {} epochs of supervised fine-tuning{}. \
          RL: {} scenarios{} × {} rollouts per iteration at temperature {}{}, lr {}{}, {} epochs, process signal `{:?}`{}, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
         r.model, c.eval_scenarios, c.patience, c.max_tokens,
         if c.id_slot { "on" } else { "off" },
+        if c.restate { "on" } else { "off" },
         c.demos, c.warm_epochs,
         if c.warm_digit_class { " (digits as a class)" } else { "" },
         c.scenarios_per_iter,

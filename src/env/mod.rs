@@ -33,6 +33,20 @@ pub enum Intent {
     OutOfPolicy,
 }
 
+impl Intent {
+    /// What a customer who gives the order id says they want, in a few neutral words: no more
+    /// than the opening said (a refund and an out-of-policy refund read the same; only the
+    /// order's status tells them apart).
+    pub fn restated(self) -> &'static str {
+        match self {
+            Intent::Status => "Where is it?",
+            Intent::Refund | Intent::OutOfPolicy => "I'd like my money back.",
+            Intent::AddressChange => "I need to change its delivery address.",
+            Intent::Cancel => "Please cancel it.",
+        }
+    }
+}
+
 /// A parsed agent action.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
@@ -98,6 +112,10 @@ pub struct Scenario {
     /// how the customer dresses the opening message up ([`paraphrase`]); `None`: the template
     /// as it is
     pub style: Option<Style>,
+    /// the customer repeats what they want when they give the order id ("It's order 89941.
+    /// I'd like my money back."), as people do when an agent's question interrupts them; off:
+    /// the id alone ([`Scenario::answer`])
+    pub restates: bool,
 }
 
 /// Surface variation of an opening message that leaves its meaning alone: a greeting before
@@ -343,6 +361,7 @@ pub fn scenario_for(rng: &mut Rng, split: Split, intent: Intent) -> Scenario {
         distractor,
         ground_truth,
         style: None,
+        restates: true,
     }
 }
 
@@ -377,8 +396,12 @@ impl Scenario {
         }
     }
 
-    /// The customer's answer to an agent reply that took no action: the order id or the new
-    /// address when asked for, else a nudge. An address change's customer names the order with
+    /// The customer's answer to an agent reply that took no action: the order id (with the
+    /// request restated, [`Scenario::restates`]) or the new address when asked for, else a
+    /// nudge. Restating: measured with the id alone, 0 of 12 training rollouts of refunds
+    /// without an id that asked for it were solved (seed 1): after "It's order 89941." the
+    /// model looked the order up and then declined, or changed the address; asking was never
+    /// rewarded, so RL could not learn to ask. An address change's customer names the order with
     /// the new address ("The new address for order 92141 is 7 Harbour Road."), in the order the
     /// action line takes them: copying an id from several messages back is beyond the
     /// output-projection adapter (measured: 0 of 136 training rollouts and 0 of 14 held-out
@@ -399,7 +422,11 @@ impl Scenario {
             );
         }
         if asks_id {
-            return format!("It's order {}.", self.order.id);
+            return if self.restates {
+                format!("It's order {}. {}", self.order.id, self.intent.restated())
+            } else {
+                format!("It's order {}.", self.order.id)
+            };
         }
         match self.intent {
             Intent::AddressChange => format!(
@@ -818,6 +845,20 @@ mod tests {
         assert!(s
             .answer("Could you give me your order number?")
             .contains(&s.order.id.to_string()));
+        // the customer repeats the request with the id, in words that do not tell a refund from
+        // an out-of-policy refund; with `restates` off, the id alone
+        let d = draw(41, Split::Train);
+        let ask = "Could you give me your order number, please?";
+        for s in &d {
+            let id = s.order.id;
+            assert_eq!(s.answer(ask), format!("It's order {id}. {}", s.intent.restated()));
+            let quiet = Scenario { restates: false, ..s.clone() };
+            assert_eq!(quiet.answer(ask), format!("It's order {id}."));
+        }
+        assert_eq!(Intent::Refund.restated(), Intent::OutOfPolicy.restated());
+        for i in INTENTS {
+            assert!(!i.restated().contains(|c: char| c.is_ascii_digit()));
+        }
         // an address change's customer names the order with the new address, id first
         let d = draw(40, Split::Train);
         let a = d
