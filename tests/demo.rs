@@ -133,6 +133,27 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
         .collect::<Result<_, _>>()
         .unwrap();
     assert_eq!(sessions.len(), 8, "2 iterations × 2 scenarios × 2 rollouts");
+    // the customer repeats the request with the order id (`--restate on`, the default), in the
+    // demonstrations and the rollouts alike
+    let restated: Vec<&str> = turnwise::env::INTENTS
+        .iter()
+        .map(|i| i.restated())
+        .collect();
+    let answers: Vec<String> = conn
+        .prepare("SELECT text FROM turns WHERE role = 'user' AND text LIKE 'It''s order %'")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert!(!answers.is_empty(), "no customer gave an id when asked");
+    for a in &answers {
+        assert!(
+            restated.iter().any(|r| a.ends_with(&format!(". {r}"))),
+            "{a}"
+        );
+    }
+    assert!(report.contains("Customers repeat their request when they give the order id: on."));
     for sid in sessions {
         let credit = store.turn_credit(sid).unwrap();
         assert_eq!(credit.len(), assistant_turns(&store, sid));
@@ -234,6 +255,8 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
         "on",
         "--paraphrase",
         "on",
+        "--restate",
+        "off",
         "--eps-low",
         "0.05",
         "--eps-high",
@@ -290,6 +313,22 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
         "{openings:?}"
     );
     assert!(intents.iter().all(|i| i.2 == 2), "{intents:?}");
+    // --restate off: a customer asked for the id gives the id alone
+    let answers: Vec<String> = store
+        .connection()
+        .prepare("SELECT text FROM turns WHERE role = 'user' AND text LIKE 'It''s order %'")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert!(!answers.is_empty(), "no customer gave an id when asked");
+    assert!(
+        answers
+            .iter()
+            .all(|a| a.len() == "It's order 12345.".len() && a.ends_with('.')),
+        "{answers:?}"
+    );
     let eps: Vec<(String, f64, f64)> = store
         .connection()
         .prepare(
@@ -352,7 +391,8 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
     );
     assert!(
         report.contains("5 scenarios (intents balanced, openings paraphrased) × 2 rollouts")
-            && report.contains("clip range [1 − 0.05, 1 + 0.07]"),
+            && report.contains("clip range [1 − 0.05, 1 + 0.07]")
+            && report.contains("Customers repeat their request when they give the order id: off."),
         "{report}"
     );
 }

@@ -851,8 +851,14 @@ mod tests {
         let ask = "Could you give me your order number, please?";
         for s in &d {
             let id = s.order.id;
-            assert_eq!(s.answer(ask), format!("It's order {id}. {}", s.intent.restated()));
-            let quiet = Scenario { restates: false, ..s.clone() };
+            assert_eq!(
+                s.answer(ask),
+                format!("It's order {id}. {}", s.intent.restated())
+            );
+            let quiet = Scenario {
+                restates: false,
+                ..s.clone()
+            };
             assert_eq!(quiet.answer(ask), format!("It's order {id}."));
         }
         assert_eq!(Intent::Refund.restated(), Intent::OutOfPolicy.restated());
