@@ -18,6 +18,28 @@ fn assistant_turns(store: &Store, session: i64) -> usize {
         .count()
 }
 
+/// The first column of every row `sql` selects.
+fn column<T: rusqlite::types::FromSql>(store: &Store, sql: &str) -> Vec<T> {
+    store
+        .connection()
+        .prepare(sql)
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+/// The customers' answers that give an order id when asked ("It's order …"); at least one.
+fn id_answers(store: &Store) -> Vec<String> {
+    let answers: Vec<String> = column(
+        store,
+        "SELECT text FROM turns WHERE role = 'user' AND text LIKE 'It''s order %'",
+    );
+    assert!(!answers.is_empty(), "no customer gave an id when asked");
+    answers
+}
+
 /// Runs `turnwise demo --quick` with `args` into a fresh run directory and returns the
 /// directory (kept alive by the returned guard), the command's output and `result.json`.
 /// `--gate-kl 100` keeps the KL bound out of the way, and the 60-minute budget is one no machine
@@ -125,13 +147,7 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
             .map(|(a, b)| (a.to_string(), b.to_string()))
     );
     // step-level credit: one turn_credit row per agent turn, with an information gain
-    let sessions: Vec<i64> = conn
-        .prepare("SELECT id FROM sessions WHERE source = 'demo'")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap();
+    let sessions: Vec<i64> = column(&store, "SELECT id FROM sessions WHERE source = 'demo'");
     assert_eq!(sessions.len(), 8, "2 iterations × 2 scenarios × 2 rollouts");
     // the customer repeats the request with the order id (`--restate on`, the default), in the
     // demonstrations and the rollouts alike
@@ -139,14 +155,7 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
         .iter()
         .map(|i| i.restated())
         .collect();
-    let answers: Vec<String> = conn
-        .prepare("SELECT text FROM turns WHERE role = 'user' AND text LIKE 'It''s order %'")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap();
-    assert!(!answers.is_empty(), "no customer gave an id when asked");
+    let answers = id_answers(&store);
     for a in &answers {
         assert!(
             restated.iter().any(|r| a.ends_with(&format!(". {r}"))),
@@ -314,15 +323,7 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
     );
     assert!(intents.iter().all(|i| i.2 == 2), "{intents:?}");
     // --restate off: a customer asked for the id gives the id alone
-    let answers: Vec<String> = store
-        .connection()
-        .prepare("SELECT text FROM turns WHERE role = 'user' AND text LIKE 'It''s order %'")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap();
-    assert!(!answers.is_empty(), "no customer gave an id when asked");
+    let answers = id_answers(&store);
     assert!(
         answers
             .iter()
