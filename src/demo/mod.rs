@@ -902,16 +902,16 @@ impl<'a> Demo<'a> {
     /// same sessions); the iteration's `gate_replayed` says how many. The engine is back on the
     /// active adapter, without a shadow, afterwards.
     fn validation_gate(&mut self, candidate: i64) -> Result<[(f64, f64); 2]> {
-        let scenarios: Vec<Scenario> = if self.cfg.stratify {
+        let mut scenarios: Vec<Scenario> = if self.cfg.stratify {
             env::stratified(&mut self.val_rng, Split::Validation, self.cfg.val_scenarios)
         } else {
             (0..self.cfg.val_scenarios)
                 .map(|_| env::scenario(&mut self.val_rng, Split::Validation))
                 .collect()
+        };
+        for s in &mut scenarios {
+            s.restates = self.cfg.restate;
         }
-        .into_iter()
-        .map(|s| restating(s, self.cfg.restate))
-        .collect();
         let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, candidate))?);
         self.set_adapter(Some((candidate, ad)))?;
         // with the shadow check, the active adapter's greedy choices are checked along the
