@@ -264,6 +264,7 @@ pub fn rescore_conversation(engine: &Engine, c: &Conversation) -> Result<Rescore
             nt.logprobs = Some(TokenLogprobs {
                 logp_behavior: lp.clone(),
                 logp_full: lp,
+                support: Vec::new(),
             });
             nt.hidden = (!h.is_empty()).then_some(Features {
                 n_embd,

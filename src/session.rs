@@ -42,6 +42,7 @@ pub fn turns_from_generation(
         logprobs: Some(TokenLogprobs {
             logp_behavior: r.logp_behavior.clone(),
             logp_full: r.logp_full.clone(),
+            support: r.support.clone(),
         }),
         hidden: (!r.hidden.is_empty()).then(|| Features {
             n_embd: info.n_embd,

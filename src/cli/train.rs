@@ -113,6 +113,22 @@ pub struct TrainArgs {
     /// A²TGPO α (weight of the process term)
     #[arg(long, default_value_t = 1.0)]
     alpha: f64,
+    /// Groups (scenario keys or opening-state clusters) with fewer sessions merge into one
+    /// batch-wide group judged against the value head
+    #[arg(long, default_value_t = 2)]
+    min_group_size: usize,
+    /// GiGPO: weight ω of the step advantage
+    #[arg(long, default_value_t = 1.0)]
+    gigpo_omega: f64,
+    /// GiGPO: observations at least this similar (token Jaccard; 1 = identical) share a step group
+    #[arg(long, default_value_t = 1.0)]
+    gigpo_similarity: f64,
+    /// Windowed turn-group GAE (ppo-token): turns per window
+    #[arg(long, default_value_t = 5)]
+    gae_window: usize,
+    /// Windowed turn-group GAE (ppo-token): λ
+    #[arg(long, default_value_t = 0.95)]
+    gae_lambda: f64,
     /// LoRA rank of a fresh adapter
     #[arg(long, default_value_t = 8)]
     rank: usize,
@@ -221,12 +237,15 @@ pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<
         vid = Some(id);
     }
     let needs_ig = !args.no_ig && sessions.iter().any(|s| s.reference.is_some());
+    let mut scorer = None;
     let engine = if needs_ig {
         let mut c = turnwise::EngineConfig::new(model);
         c.verbose = verbose;
         let e = turnwise::Engine::start(c)?;
         if args.ig_policy == IgPolicy::Sampling {
-            e.set_adapter(active_adapter(&store)?)?;
+            let active = active_adapter(&store)?;
+            scorer = active.as_ref().map(|a| a.0);
+            e.set_adapter(active)?;
         }
         Some(e)
     } else {
@@ -237,6 +256,7 @@ pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<
         ig_baseline: args.ig_baseline,
         ig_context: args.ig_context,
         ig_policy: args.ig_policy,
+        ig_scorer: scorer,
     };
     let sum = annotate_sessions(&mut store, &ids, &value, vid, engine.as_ref(), &cfg)?;
     println!(
@@ -345,6 +365,11 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         cfg.adam_eps = e;
     }
     cfg.alpha = args.alpha;
+    cfg.min_group_size = args.min_group_size;
+    cfg.gigpo_omega = args.gigpo_omega;
+    cfg.gigpo_similarity = args.gigpo_similarity;
+    cfg.gae_window = args.gae_window;
+    cfg.gae_lambda = args.gae_lambda;
     cfg.rank = args.rank;
     cfg.value_coef = args.value_coef;
     cfg.minibatch_tokens = args.minibatch_tokens;

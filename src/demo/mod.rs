@@ -79,8 +79,8 @@ pub struct DemoConfig {
     pub patience: usize,
     /// most tokens per agent reply
     pub max_tokens: usize,
-    /// rollout temperature (top-k and top-p are off; below 1 the update reweights tokens with
-    /// truncated importance sampling, because the learner's policy is the temperature-1 one)
+    /// rollout temperature (top-k and top-p are off); the learner optimises this tempered
+    /// policy, as each turn's sampler settings record it
     pub temperature: f32,
     /// rollouts take the arg-max wherever it is a digit token
     /// ([`SamplerParams::greedy_digits`]): order ids are copied as the greedy evaluations copy
@@ -1174,6 +1174,7 @@ impl<'a> Demo<'a> {
                 &AnnotateConfig {
                     ig_context: self.cfg.ig_context,
                     ig_policy: self.cfg.ig_policy,
+                    ig_scorer: self.active.as_ref().map(|a| a.0),
                     ..AnnotateConfig::default()
                 },
             )?;
@@ -1200,11 +1201,8 @@ impl<'a> Demo<'a> {
         if self.cfg.process == ProcessSignal::None {
             cfg.alpha = 0.0;
         }
-        // rollouts below temperature 1 are off-policy for the temperature-1 policy: truncated
-        // importance sampling (ALGORITHMS.md, C = 2) reweights each token by π_old / μ
-        if (self.cfg.temperature - 1.0).abs() > 1e-6 && cfg.objective.tis_cap.is_none() {
-            cfg.objective.tis_cap = Some(2.0);
-        }
+        // the learner optimises the policy the rollouts were sampled from (logits / T over the
+        // sampler's support), so no importance correction is needed for the temperature
         // with the validation gate, rollouts of earlier iterations whose candidates were
         // rejected were sampled with the same active adapter: still on-policy, kept
         self.on_policy = if self.cfg.val_scenarios > 0 {

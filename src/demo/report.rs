@@ -352,7 +352,7 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
             clip,
             f("turn_entropy"),
             f("logp_old_vs_behavior_mean"),
-            d["process_signal"].as_str().unwrap_or("–"),
+            process_signal(&d["process_signal"]),
             i.note.as_deref().unwrap_or("")
         );
     }
@@ -430,4 +430,16 @@ pub fn write(r: &DemoResult, dir: &Path) -> Result<Vec<PathBuf>> {
     files.extend(plots);
     files.push(md);
     Ok(files)
+}
+
+/// The process signal an update used, per group: `info gain` / `success contribution` when all
+/// groups used one, else both with their group counts.
+fn process_signal(v: &serde_json::Value) -> String {
+    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+    match (n("info_gain_groups"), n("success_contribution_groups")) {
+        (0, 0) => "–".into(),
+        (_, 0) => "info gain".into(),
+        (0, _) => "success contribution".into(),
+        (ig, sc) => format!("info gain ({ig} groups), success contribution ({sc})"),
+    }
 }

@@ -532,6 +532,127 @@ mod tests {
     }
 
     /// The ORT step's (loss, logp, ∂A, ∂B) against the f64 reference, to 2e-4 relative.
+    /// The clamp of log s at 10 cuts the gradient on both engines: on stale data a token with
+    /// log-ratio 12 and a negative advantage is on the unclipped side of the min, and before
+    /// the fix the Rust reference still returned its e^10-sized gradient while the graph gave 0.
+    #[test]
+    fn clamped_ratio_has_no_gradient_on_either_engine() {
+        let (t, v, d, r) = (6, 24, 8, 2);
+        let mut rng = Rng::new(3);
+        let mut rnd = |n: usize, s: f64| {
+            (0..n)
+                .map(|_| (rng.next_f64() * 2.0 - 1.0) * s)
+                .collect::<Vec<f64>>()
+        };
+        let base = Array2::from_shape_vec((t, v), rnd(t * v, 2.0)).unwrap();
+        let h = Array2::from_shape_vec((t, d), rnd(t * d, 1.0)).unwrap();
+        let a = Array2::from_shape_vec((r, d), rnd(r * d, 0.3)).unwrap();
+        let b = Array2::from_shape_vec((v, r), rnd(v * r, 0.3)).unwrap();
+        let tokens = vec![1, 5, 9, 13, 17, 21];
+        let (_, lp, _, _) = lora_loss_and_grad(
+            base.view(),
+            h.view(),
+            &tokens,
+            a.view(),
+            b.view(),
+            2.0,
+            |lp| (0.0, vec![0.0; lp.len()]),
+        );
+        let cfg = ObjectiveConfig {
+            granularity: Granularity::Token,
+            clip: ClipMode::Fixed,
+            eps_low: 0.2,
+            eps_high: 0.28,
+            clip_beta: 0.3,
+            aggregation: Aggregation::TokenMean,
+            tis_cap: None,
+            kl_coef: 0.0,
+            entropy_coef: 0.0,
+            mis: false,
+        };
+        let run = |stale: &[bool]| {
+            let batch = TokenBatch {
+                seq: vec![0; t],
+                turn: vec![0; t],
+                adv: vec![-1.0; t],
+                ig_hat: vec![0.0; t],
+                final_turn: vec![true; t],
+                logp_old: lp
+                    .iter()
+                    .zip(stale)
+                    .map(|(x, &st)| if st { x - 12.0 } else { x - 0.01 })
+                    .collect(),
+                logp_behavior: lp.clone(),
+                logp_ref: lp.clone(),
+                trainable: Vec::new(),
+            };
+            let reference = lora_loss_and_grad(
+                base.view(),
+                h.view(),
+                &tokens,
+                a.view(),
+                b.view(),
+                2.0,
+                |lp| {
+                    let (l, g, _) = surrogate(&cfg, &batch, lp);
+                    (l, g)
+                },
+            );
+            let f32v = |x: &[f64]| x.iter().map(|&y| y as f32).collect::<Vec<f32>>();
+            let bounds = clip_bounds(&cfg, &batch);
+            let (bf, hf, af, bbf) = (
+                base.mapv(|x| x as f32),
+                h.mapv(|x| x as f32),
+                a.mapv(|x| x as f32),
+                b.mapv(|x| x as f32),
+            );
+            let inputs = StepInputs {
+                base: bf.view(),
+                h: hf.view(),
+                a: af.view(),
+                b: bbf.view(),
+                scale: 2.0,
+                tokens: &tokens,
+                w: f32v(&policy_weights(&cfg, &batch)),
+                old: f32v(&batch.logp_old),
+                adv: f32v(&batch.adv),
+                lo: bounds.iter().map(|b| b.0 as f32).collect(),
+                hi: bounds.iter().map(|b| b.1 as f32).collect(),
+                gmat: None,
+                kl: None,
+                entropy: None,
+                digit_class: None,
+            };
+            let kind = StepKind::Surrogate {
+                granularity: Granularity::Token,
+                kl: false,
+                entropy: false,
+            };
+            let ort = OrtStep::new(kind, Device::Cpu, 1)
+                .unwrap()
+                .run(&inputs)
+                .unwrap();
+            (reference, ort)
+        };
+        // every token clamped: no gradient at all, on both engines
+        let ((_, _, da, db), (_, _, oa, ob)) = run(&[true; 6]);
+        let max = |x: &mut dyn Iterator<Item = f64>| x.fold(0f64, |m, v| m.max(v.abs()));
+        assert_eq!(max(&mut da.iter().chain(db.iter()).copied()), 0.0);
+        assert_eq!(max(&mut oa.iter().chain(ob.iter()).map(|&x| x as f64)), 0.0);
+        // half clamped: the engines agree, and the gradient is that of the other half alone
+        let (reference, ort) = run(&[true, false, true, false, true, false]);
+        assert_step_matches(
+            "half clamped",
+            ort,
+            (reference.0, &reference.1, &reference.2, &reference.3),
+        );
+        assert!(max(&mut reference.3.iter().copied()) > 0.0);
+        assert!(
+            max(&mut reference.3.iter().copied()) < 1.0,
+            "no e^10-sized gradient"
+        );
+    }
+
     fn assert_step_matches(
         what: &str,
         (loss, lp, da, db): StepOutput,

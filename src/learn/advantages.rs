@@ -47,7 +47,10 @@ pub fn informative_groups<G: Hash + Eq + Clone>(rewards: &[f64], groups: &[G]) -
 /// A²TGPO turn-level advantages (§3). `signal[i][t]` is the per-turn process signal of session
 /// `i` (information gain or success contribution) for its assistant turns `t = 0..T_i`;
 /// `r_hat[i]` the normalised outcome. Returns `(Â, îg)` per session and turn:
-/// `îg` is `z(signal)` within the turn group `(g_i, t)`; process turns get
+/// `îg` is `z(signal)` within the turn group `(g_i, t)` of **process turns only**: a session's
+/// final turn joins no turn group (its signal carries the outcome, on another scale, and would
+/// credit a longer group-mate's process turn with this session's ending) and gets `îg = 0`;
+/// process turns get
 /// `α · Σ_{k=t}^{T−2} γ^{k−t} îg_k / √(T − 1 − t) + R̂`, the final turn gets `R̂`.
 pub fn a2tgpo<G: Hash + Eq + Clone>(
     signal: &[Vec<f64>],
@@ -56,11 +59,11 @@ pub fn a2tgpo<G: Hash + Eq + Clone>(
     gamma: f64,
     alpha: f64,
 ) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
-    // turn-group normalisation over (group, turn index)
+    // turn-group normalisation over (group, turn index) of the process turns only
     let mut flat = Vec::new();
     let mut keys = Vec::new();
     for (i, s) in signal.iter().enumerate() {
-        for (t, v) in s.iter().enumerate() {
+        for (t, v) in s.iter().enumerate().take(s.len().saturating_sub(1)) {
             flat.push(*v);
             keys.push((groups[i].clone(), t));
         }
@@ -69,8 +72,13 @@ pub fn a2tgpo<G: Hash + Eq + Clone>(
     let mut ig_hat = Vec::with_capacity(signal.len());
     let mut k = 0;
     for s in signal {
-        ig_hat.push(z[k..k + s.len()].to_vec());
-        k += s.len();
+        let n = s.len().saturating_sub(1);
+        let mut row = z[k..k + n].to_vec();
+        if !s.is_empty() {
+            row.push(0.0); // the final turn: R̂ and c = 1, no turn group
+        }
+        ig_hat.push(row);
+        k += n;
     }
     let adv = ig_hat
         .iter()
@@ -125,6 +133,102 @@ pub fn gigpo<G: Hash + Eq + Clone, K: Hash + Eq + Clone>(
         k += r.len();
     }
     out
+}
+
+/// GiGPO's step groups (§3): per session and assistant turn, the index of the step group its
+/// observation belongs to — the observation being what the environment said just before the
+/// turn (the user or tool messages since the previous assistant turn), as token ids. Inside one
+/// group key, an observation joins the first step group whose leader it matches: identical
+/// tokens at `threshold >= 1`, else a token-multiset Jaccard similarity of at least
+/// `threshold`. The turn index plays no part: the same tool answer at turn 1 of one session
+/// and turn 3 of another is one anchor state.
+pub fn observation_groups<G: Hash + Eq + Clone>(
+    observations: &[Vec<Vec<i32>>],
+    groups: &[G],
+    threshold: f64,
+) -> Vec<Vec<usize>> {
+    let mut leaders: Vec<(G, &[i32])> = Vec::new();
+    observations
+        .iter()
+        .zip(groups)
+        .map(|(obs, g)| {
+            obs.iter()
+                .map(|o| {
+                    let found = leaders.iter().position(|(lg, lo)| {
+                        lg == g
+                            && if threshold >= 1.0 {
+                                *lo == o.as_slice()
+                            } else {
+                                jaccard(lo, o) >= threshold
+                            }
+                    });
+                    found.unwrap_or_else(|| {
+                        leaders.push((g.clone(), o.as_slice()));
+                        leaders.len() - 1
+                    })
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Jaccard similarity of two token multisets (1 for two empty ones).
+pub fn jaccard(a: &[i32], b: &[i32]) -> f64 {
+    let mut count: HashMap<i32, (usize, usize)> = HashMap::new();
+    for &x in a {
+        count.entry(x).or_default().0 += 1;
+    }
+    for &x in b {
+        count.entry(x).or_default().1 += 1;
+    }
+    let (inter, union) = count
+        .values()
+        .fold((0, 0), |(i, u), &(x, y)| (i + x.min(y), u + x.max(y)));
+    if union == 0 {
+        1.0
+    } else {
+        inter as f64 / union as f64
+    }
+}
+
+/// The live-traffic fallback of §7: members of groups with fewer than `min_size` sessions are
+/// moved into one batch-wide group named `fallback`. Returns the new keys and, per session,
+/// whether it was moved (those sessions take the value head as their outcome baseline).
+pub fn merge_small_groups(
+    groups: &[String],
+    min_size: usize,
+    fallback: &str,
+) -> (Vec<String>, Vec<bool>) {
+    let mut count: HashMap<&str, usize> = HashMap::new();
+    for g in groups {
+        *count.entry(g.as_str()).or_default() += 1;
+    }
+    groups
+        .iter()
+        .map(|g| {
+            if count[g.as_str()] < min_size {
+                (fallback.to_string(), true)
+            } else {
+                (g.clone(), false)
+            }
+        })
+        .unzip()
+}
+
+/// The outcome advantage of sessions in the fallback group (§7): they were not rollouts of one
+/// prompt, so their outcomes are compared against the value head's estimate of their opening
+/// state, `R − V(s_0)` (both on the `[0, 1]` success scale), then normalised across the
+/// fallback group like any group (`scale = false`: only centred). A lone member keeps `R − V`.
+pub fn baseline_advantage(success: &[f64], opening_value: &[f64], scale: bool) -> Vec<f64> {
+    let resid: Vec<f64> = success
+        .iter()
+        .zip(opening_value)
+        .map(|(r, v)| r - v)
+        .collect();
+    if resid.len() < 2 {
+        return resid;
+    }
+    group_normalize(&resid, &vec![0u8; resid.len()], scale)
 }
 
 /// The seed article's windowed turn-group GAE (§3): the session is cut into windows of
@@ -220,6 +324,87 @@ mod tests {
         // window 1: every turn is its own window
         let b = windowed_gae(&r, &v, 1, 1.0, 0.5);
         assert!((b[0] - 0.2).abs() < 1e-12 && (b[1] - 0.2).abs() < 1e-12);
+    }
+
+    /// The case: two successful sessions of one group with signals [0.2, 3.0] and
+    /// [0.2, 0.5, 2.0]. Only process turns form turn groups: turn 0 holds (0.2, 0.2) → 0, turn
+    /// 1 holds only the longer session's 0.5 (the shorter one's final 3.0 stays out) → 0. With
+    /// equal outcomes (R̂ = 0) every advantage is 0 and every final-turn îg is 0.
+    #[test]
+    fn unequal_lengths_keep_final_turns_out_of_turn_groups() {
+        let sig = vec![vec![0.2, 3.0], vec![0.2, 0.5, 2.0]];
+        let (adv, ig) = a2tgpo(&sig, &["g", "g"], &[0.0, 0.0], 1.0, 1.0);
+        for a in adv.iter().flatten() {
+            assert!(a.abs() < 1e-12, "{adv:?}");
+        }
+        assert_eq!(ig, vec![vec![0.0, 0.0], vec![0.0, 0.0, 0.0]]);
+        // before the fix, (g, 1) held 3.0 and 0.5: the longer session's turn 1 got îg = −1 and
+        // its turn 0 an advantage of −1/√2
+        let sig = vec![vec![1.0, 9.0], vec![0.0, 2.0, 7.0], vec![0.0, 4.0, 1.0]];
+        let (adv, ig) = a2tgpo(&sig, &["g", "g", "g"], &[0.0; 3], 1.0, 1.0);
+        // (g, 0): (1, 0, 0) → z = (√2, −1/√2, −1/√2); (g, 1): (2, 4) → ∓1
+        let s2 = 2f64.sqrt();
+        assert!((ig[0][0] - s2).abs() < 1e-5 && (ig[1][0] + 1.0 / s2).abs() < 1e-5);
+        assert!((ig[1][1] + 1.0).abs() < 1e-5 && (ig[2][1] - 1.0).abs() < 1e-5);
+        assert_eq!(ig[0][1], 0.0);
+        // session 1: t=0 → (−1/√2 − 1)/√2, t=1 → −1; session 0's only process turn → √2
+        assert!((adv[1][0] - (-1.0 / s2 - 1.0) / s2).abs() < 1e-5);
+        assert!((adv[1][1] + 1.0).abs() < 1e-5 && (adv[0][0] - s2).abs() < 1e-5);
+        assert_eq!(adv[0][1], 0.0);
+    }
+
+    /// GiGPO steps are grouped by what they observed, not by turn index: session a sees the
+    /// tool answer [7, 8] at turn 1, session b at turn 2; they share a step group, and their
+    /// returns-to-go (1 and 0) get ±1 there.
+    #[test]
+    fn gigpo_groups_equal_observations_at_different_turns() {
+        let obs = vec![
+            vec![vec![1, 2], vec![7, 8]],
+            vec![vec![1, 2], vec![5], vec![7, 8]],
+            vec![vec![1, 2], vec![7, 8]],
+        ];
+        let g = ["g", "g", "h"];
+        let keys = observation_groups(&obs, &g, 1.0);
+        assert_eq!(keys[0][1], keys[1][2], "same observation, other turn index");
+        assert_eq!(keys[0][0], keys[1][0]);
+        assert_ne!(keys[1][1], keys[0][1]);
+        assert_ne!(
+            keys[2][1], keys[0][1],
+            "another group key is another step group"
+        );
+        let rewards = vec![vec![0.0, 1.0], vec![0.0, 0.0, 0.0], vec![0.0, 1.0]];
+        let a = gigpo(&rewards, &keys, &g, &[0.0, 0.0, 0.0], 1.0, 1.0);
+        assert!((a[0][1] - 1.0).abs() < 1e-5 && (a[1][2] + 1.0).abs() < 1e-5);
+        // turn 0 (same opening): returns 1 and 0 → ±1 as well
+        assert!((a[0][0] - 1.0).abs() < 1e-5 && (a[1][0] + 1.0).abs() < 1e-5);
+        assert_eq!(a[1][1], 0.0, "a unique observation gets no step term");
+        // similarity: {1,2,3} vs {1,2,4}: 2 shared of 4 → 0.5
+        assert!((jaccard(&[1, 2, 3], &[1, 2, 4]) - 0.5).abs() < 1e-12);
+        let near = observation_groups(&[vec![vec![1, 2, 3]], vec![vec![1, 2, 4]]], &g[..2], 0.5);
+        assert_eq!(near[0][0], near[1][0]);
+        let far = observation_groups(&[vec![vec![1, 2, 3]], vec![vec![1, 2, 4]]], &g[..2], 0.6);
+        assert_ne!(far[0][0], far[1][0]);
+    }
+
+    /// A session alone in its cluster moves to the batch-wide fallback group and is judged
+    /// against the value head: clusters a (2 members) stay, b and c (1 each) merge.
+    #[test]
+    fn singleton_clusters_fall_back_to_the_batch_group_with_the_value_baseline() {
+        let keys: Vec<String> = ["a", "a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        let (merged, moved) = merge_small_groups(&keys, 2, "batch");
+        assert_eq!(merged, vec!["a", "a", "batch", "batch"]);
+        assert_eq!(moved, vec![false, false, true, true]);
+        // b succeeded where V said 0.25, c failed where V said 0.5: residuals 0.75, −0.5,
+        // centred ±0.625, scaled ±1
+        let c = baseline_advantage(&[1.0, 0.0], &[0.25, 0.5], false);
+        assert!((c[0] - 0.625).abs() < 1e-12 && (c[1] + 0.625).abs() < 1e-12);
+        let z = baseline_advantage(&[1.0, 0.0], &[0.25, 0.5], true);
+        assert!((z[0] - 1.0).abs() < 1e-5 && (z[1] + 1.0).abs() < 1e-5);
+        // alone: R − V
+        assert_eq!(baseline_advantage(&[1.0], &[0.25], true), vec![0.75]);
+        // without the fallback the singletons' outcome advantage is 0
+        let r = group_normalize(&[1.0, 0.0, 1.0, 0.0], &keys, true);
+        assert_eq!((r[2], r[3]), (0.0, 0.0));
     }
 
     #[test]

@@ -104,6 +104,18 @@ pub fn reference_scores(
     Ok(p)
 }
 
+/// The one mapping of an outcome reward `R` to the value head's success scale `[0, 1]`, used
+/// for its training targets, for `V(s_{T+1})` at the end of a finished session and for the
+/// value baseline of fallback groups: `R` clamped to `[0, 1]` (a reward with a format penalty
+/// below 0 is a failure, a bonus above 1 a success), NaN as 0. It does not depend on the batch.
+pub fn success_target(r: f64) -> f64 {
+    if r.is_nan() {
+        0.0
+    } else {
+        r.clamp(0.0, 1.0)
+    }
+}
+
 /// `(value_before, value_after, contribution)` per assistant turn. `values[t] = V(s_t)`;
 /// after the last turn the outcome (clamped to [0, 1]) when the session is finished, else the
 /// last turn has no `value_after`.
@@ -116,7 +128,7 @@ pub fn success_contribution(
             let after = if t + 1 < values.len() {
                 Some(values[t + 1])
             } else {
-                outcome.map(|o| o.clamp(0.0, 1.0))
+                outcome.map(success_target)
             };
             (values[t], after, after.map(|a| a - values[t]))
         })
@@ -153,6 +165,20 @@ pub struct AnnotateConfig {
     /// which policy scores it (with [`IgPolicy::Sampling`], `annotate_sessions` uses the
     /// engine's current adapter)
     pub ig_policy: IgPolicy,
+    /// with [`IgPolicy::Sampling`]: the id of the adapter that scored (None: no adapter was
+    /// active, the base model scored); named in every information-gain annotation's producer
+    pub ig_scorer: Option<i64>,
+}
+
+impl AnnotateConfig {
+    /// The producer recorded with an information-gain annotation: `policy-frozen` (the base
+    /// model) or `policy-adapter:<id>` for the sampling adapter that scored it.
+    pub fn ig_producer(&self) -> String {
+        match (self.ig_policy, self.ig_scorer) {
+            (IgPolicy::Sampling, Some(id)) => format!("policy-adapter:{id}"),
+            _ => "policy-frozen".into(),
+        }
+    }
 }
 
 impl Default for AnnotateConfig {
@@ -162,6 +188,7 @@ impl Default for AnnotateConfig {
             ig_baseline: IgBaseline::Opening,
             ig_context: IgContext::Observation,
             ig_policy: IgPolicy::Frozen,
+            ig_scorer: None,
         }
     }
 }
@@ -295,7 +322,7 @@ pub fn annotate_sessions_with(
                     turn_id: *id,
                     kind: "info_gain".into(),
                     value: ig,
-                    producer: "policy-frozen".into(),
+                    producer: cfg.ig_producer(),
                 });
             }
             sum.info_gain_turns += ids.len();

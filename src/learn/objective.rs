@@ -265,14 +265,17 @@ pub fn surrogate(
     let mut st = SurrogateStats::default();
     let (mut loss, mut kl) = (0.0, 0.0);
     for k in 0..n {
-        let log_s = match cfg.granularity {
+        let raw_log_s = match cfg.granularity {
             Granularity::Token => lr[k],
             _ => {
                 let (s, c) = sums[&key(k)];
                 s / c as f64
             }
-        }
-        .min(10.0);
+        };
+        // the clamp of log s at 10 is a constant beyond it: no gradient through that branch
+        // (as the graph's Min gives none)
+        let clamped = raw_log_s > 10.0;
+        let log_s = raw_log_s.min(10.0);
         let s = log_s.exp();
         let a = b.adv[k];
         let (lo, hi, scale) = bounds[k];
@@ -287,7 +290,7 @@ pub fn surrogate(
             }
         }
         loss -= wt[k] * un.min(cl);
-        if active {
+        if active && !clamped {
             grad[k] -= wt[k] * s * a;
         }
         if cfg.kl_coef > 0.0 {

@@ -11,7 +11,10 @@ use ndarray::{Array1, Array2, Axis};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::advantages::{a2tgpo, gigpo, group_normalize, informative_groups, windowed_gae};
+use super::advantages::{
+    a2tgpo, baseline_advantage, gigpo, group_normalize, informative_groups, merge_small_groups,
+    observation_groups, windowed_gae,
+};
 use super::objective::{
     aggregation_weights, clip_bounds, group_mean_matrix, lora_class_ce_and_grad,
     lora_loss_and_grad, lora_loss_and_grad_entropy, policy_weights, surrogate, Aggregation,
@@ -21,6 +24,7 @@ use crate::adapter::{adapter_dir, f32_bytes, f32_tensor, Adapter};
 use crate::error::{Error, Result};
 use crate::graph::step::{OrtStep, StepInputs, StepKind};
 use crate::graph::Device;
+use crate::policy::sampler::Support;
 use crate::policy::OutputHead;
 use crate::store::{NewAnnotation, Source, Store};
 
@@ -153,6 +157,51 @@ pub struct TrainConfig {
     /// that override copying on new ids (`ACTION status 8000` for order 69567)
     #[serde(default)]
     pub sft_digit_class: bool,
+    /// groups (cluster or key) with fewer sessions than this merge into one batch-wide group
+    /// whose outcome baseline is the value head's estimate of each opening state (§7); a
+    /// session alone in its group would otherwise get zero advantage on every turn
+    #[serde(default = "default_min_group_size")]
+    pub min_group_size: usize,
+    /// GiGPO: weight ω of the step term
+    #[serde(default = "default_one")]
+    pub gigpo_omega: f64,
+    /// GiGPO: observations whose token-multiset Jaccard similarity reaches this share a step
+    /// group (1: identical observations only)
+    #[serde(default = "default_one")]
+    pub gigpo_similarity: f64,
+    /// windowed turn-group GAE: turns per window
+    #[serde(default = "default_gae_window")]
+    pub gae_window: usize,
+    /// windowed turn-group GAE: λ
+    #[serde(default = "default_gae_lambda")]
+    pub gae_lambda: f64,
+}
+
+/// The group key of sessions whose own group was too small ([`TrainConfig::min_group_size`]).
+pub const FALLBACK_GROUP: &str = "batch-fallback";
+
+/// A key of a session's content (its turns' tokens) that does not depend on when it was logged.
+fn content_key(s: &SessionData) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for t in &s.turns {
+        t.observation.hash(&mut h);
+        t.tokens.hash(&mut h);
+    }
+    h.finish()
+}
+
+fn default_min_group_size() -> usize {
+    2
+}
+fn default_one() -> f64 {
+    1.0
+}
+fn default_gae_window() -> usize {
+    5
+}
+fn default_gae_lambda() -> f64 {
+    0.95
 }
 
 impl TrainConfig {
@@ -178,6 +227,13 @@ impl TrainConfig {
         }
         if self.epochs == 0 || self.minibatch_tokens == 0 || self.rank == 0 {
             return bad("epochs, minibatch tokens and the LoRA rank must be at least 1");
+        }
+        if !(self.gigpo_similarity > 0.0 && self.gigpo_similarity <= 1.0)
+            || !(0.0..=1.0).contains(&self.gae_lambda)
+            || self.gae_window == 0
+            || !self.gigpo_omega.is_finite()
+        {
+            return bad("GiGPO similarity must be in (0, 1], GAE lambda in [0, 1], the GAE window at least 1");
         }
         if o.tis_cap.is_some_and(|c| !(c.is_finite() && c >= 1.0)) {
             return bad("the TIS cap must be at least 1");
@@ -266,6 +322,11 @@ impl TrainConfig {
             mask_digits: false,
             mask_negative_digits: false,
             sft_digit_class: false,
+            min_group_size: default_min_group_size(),
+            gigpo_omega: 1.0,
+            gigpo_similarity: 1.0,
+            gae_window: default_gae_window(),
+            gae_lambda: default_gae_lambda(),
         }
     }
 }
@@ -305,12 +366,15 @@ pub struct UpdateReport {
 
 struct TurnData {
     turn_id: i64,
-    /// hash of the context before the turn (the observation, for GiGPO step groups)
-    context_key: u64,
+    /// what the environment said since the previous assistant turn (GiGPO's step groups)
+    observation: Vec<i32>,
     tokens: Vec<usize>,
     h: Array2<f32>,
     logp_behavior: Vec<f32>,
-    logp_full: Vec<f32>,
+    /// the temperature the turn was sampled at (1 for rescored turns)
+    temperature: f32,
+    /// per token, where the behaviour distribution had its mass (empty: the whole softmax)
+    support: Vec<Support>,
     adapter_id: Option<i64>,
 }
 
@@ -328,7 +392,10 @@ struct SessionData {
 /// A minibatch: flattened tokens, their features, and the base logits computed once.
 struct Minibatch {
     sessions: Vec<usize>,
+    /// the features as stored (value head, base logits)
     h: Array2<f32>,
+    /// the features divided by each token's sampling temperature (the policy step)
+    hs: Array2<f32>,
     base: Array2<f32>,
     tokens: Vec<usize>,
     batch: TokenBatch,
@@ -471,27 +538,28 @@ fn load_sessions(
             continue;
         }
         let mut turns = Vec::new();
-        let mut context = std::collections::hash_map::DefaultHasher::new();
+        let mut observation = Vec::new();
         for t in store.turns(s.id)? {
-            use std::hash::{Hash, Hasher};
-            let context_key = context.finish();
-            t.token_ids.hash(&mut context);
             if t.role != crate::Role::Assistant {
+                observation.extend_from_slice(&t.token_ids);
                 continue;
             }
+            let observed = std::mem::take(&mut observation);
             let (Some(lp), Some(f)) = (store.token_logprobs(t.id)?, store.features(t.id)?) else {
                 continue; // features dropped by gc, or never captured
             };
             let n = t.token_ids.len();
             let h = Array2::from_shape_vec((n, f.n_embd), f.values)
                 .map_err(|e| Error::Corrupt(e.to_string()))?;
+            let (temperature, support) = behaviour_of(&t, lp.support);
             turns.push(TurnData {
-                context_key,
+                observation: observed,
                 turn_id: t.id,
                 tokens: t.token_ids.iter().map(|&x| x as usize).collect(),
                 h,
                 logp_behavior: lp.logp_behavior,
-                logp_full: lp.logp_full,
+                temperature,
+                support,
                 adapter_id: t.adapter_id,
             });
         }
@@ -508,6 +576,31 @@ fn load_sessions(
     }
     Ok(out)
 }
+
+/// The temperature and per-token support a logged turn was sampled with: rescored turns (and
+/// turns without sampler settings) were scored by the whole softmax at temperature 1; a greedy
+/// turn is a point mass on every token, whatever was stored.
+fn behaviour_of(t: &crate::store::TurnRecord, support: Vec<Support>) -> (f32, Vec<Support>) {
+    let sampled = t.behavior != Some(crate::store::Behavior::Rescored);
+    match t.sampler.as_ref().filter(|_| sampled) {
+        Some(p) if p.temperature <= 0.0 => (
+            1.0,
+            t.token_ids
+                .iter()
+                .map(|&k| Support {
+                    keep: Some(vec![k as u32]),
+                    ..Support::default()
+                })
+                .collect(),
+        ),
+        Some(p) => (p.temperature, support),
+        None => (1.0, Vec::new()),
+    }
+}
+
+/// A logit value no token of a support can lose to: `exp` of it is 0 in f32, and `0 · it` is 0
+/// (an infinity would make the entropy term NaN).
+const EXCLUDED: f32 = -1e9;
 
 /// Log-probs of `tokens` under `adapter` (None: base) from base logits and features.
 fn logprobs(
@@ -564,7 +657,7 @@ fn step_inputs<'a>(
     };
     StepInputs {
         base: mb.base.view(),
-        h: mb.h.view(),
+        h: mb.hs.view(),
         a,
         b,
         scale,
@@ -618,10 +711,15 @@ fn forward_logp(
             .map(f64::from)
             .collect()),
         None => {
-            let (_, lp, _, _) =
-                lora_loss_and_grad(mb.base.view(), mb.h.view(), &mb.tokens, a, b, scale, |lp| {
-                    (0.0, vec![0.0; lp.len()])
-                });
+            let (_, lp, _, _) = lora_loss_and_grad(
+                mb.base.view(),
+                mb.hs.view(),
+                &mb.tokens,
+                a,
+                b,
+                scale,
+                |lp| (0.0, vec![0.0; lp.len()]),
+            );
             Ok(lp.into_iter().map(f64::from).collect())
         }
     }
@@ -694,29 +792,27 @@ pub fn run_update(
         _ if ungrouped.is_empty() => "group_key",
         _ => "group_key+batch",
     };
+    // the batch in an order that does not depend on the order sessions were logged in (two
+    // engines finish rollouts in a timing-dependent order): by group, then by content
+    sessions.sort_by_cached_key(|s| (s.group.clone(), content_key(s)));
+    // groups too small to compare within fall back to one batch-wide group (§7)
+    let (groups, fell_back) = if sft {
+        (
+            sessions.iter().map(|s| s.group.clone()).collect(),
+            vec![false; sessions.len()],
+        )
+    } else {
+        let keys: Vec<String> = sessions.iter().map(|s| s.group.clone()).collect();
+        merge_small_groups(&keys, cfg.min_group_size, FALLBACK_GROUP)
+    };
     // ---- advantages (outcome, then per turn) -------------------------------------------------
     let rewards: Vec<f64> = sessions.iter().map(|s| s.outcome).collect();
-    let groups: Vec<String> = sessions.iter().map(|s| s.group.clone()).collect();
     let keep = if cfg.drop_uninformative && !sft {
         informative_groups(&rewards, &groups)
     } else {
         vec![true; sessions.len()]
     };
-    let r_hat = group_normalize(&rewards, &groups, !cfg.dr_grpo);
-    let (rmin, rmax) = rewards
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &r| {
-            (a.min(r), b.max(r))
-        });
-    let success = |r: f64| {
-        if (0.0..=1.0).contains(&rmin) && rmax <= 1.0 {
-            r
-        } else if rmax > rmin {
-            (r - rmin) / (rmax - rmin)
-        } else {
-            0.5
-        }
-    };
+    let success = super::annotate::success_target;
 
     // ---- adapters: the one being trained, and those that generated the turns -------------------
     let n_embd = head.n_embd();
@@ -745,8 +841,20 @@ pub fn run_update(
                 .collect()
         })
         .collect();
-    let mut used_ig = 0usize;
+    let mut r_hat = group_normalize(&rewards, &groups, !cfg.dr_grpo);
+    let fallback: Vec<usize> = (0..sessions.len()).filter(|&i| fell_back[i]).collect();
+    if !fallback.is_empty() {
+        let succ: Vec<f64> = fallback.iter().map(|&i| success(rewards[i])).collect();
+        let v0: Vec<f64> = fallback.iter().map(|&i| state_values[i][0]).collect();
+        for (&i, a) in fallback
+            .iter()
+            .zip(baseline_advantage(&succ, &v0, !cfg.dr_grpo))
+        {
+            r_hat[i] = a;
+        }
+    }
     let mut signal: Vec<Vec<f64>> = Vec::with_capacity(sessions.len());
+    let mut session_ig: Vec<Option<Vec<f64>>> = Vec::with_capacity(sessions.len());
     let mut credit_rows = Vec::new();
     let value_producer = format!(
         "value-head:{}",
@@ -788,17 +896,31 @@ pub fn run_update(
                 });
             }
         }
-        match ig {
-            Some(ig) => {
-                used_ig += 1;
-                signal.push(ig);
-            }
-            None => signal.push(contrib.iter().map(|c| c.2.unwrap_or(0.0)).collect()),
-        }
+        session_ig.push(ig);
+        signal.push(contrib.iter().map(|c| c.2.unwrap_or(0.0)).collect());
     }
     if !sft {
         store.add_annotations(&credit_rows)?;
     }
+    // one process signal per group: information gain where every session of the group has it
+    // on every turn, else the value head's success contribution for the whole group (the two
+    // live on different scales and never share a turn group)
+    let mut group_has_ig: HashMap<&str, bool> = HashMap::new();
+    for (g, ig) in groups.iter().zip(&session_ig) {
+        *group_has_ig.entry(g.as_str()).or_insert(true) &= ig.is_some();
+    }
+    for ((sig, ig), g) in signal.iter_mut().zip(&mut session_ig).zip(&groups) {
+        if group_has_ig[g.as_str()] {
+            if let Some(ig) = ig.take() {
+                *sig = ig;
+            }
+        }
+    }
+    let ig_groups = group_has_ig.values().filter(|&&v| v).count();
+    let process_signal = json!({
+        "info_gain_groups": ig_groups,
+        "success_contribution_groups": group_has_ig.len() - ig_groups,
+    });
     let (a2, ig_hat) = a2tgpo(&signal, &groups, &r_hat, cfg.gamma, cfg.alpha);
     // the value head's calibration on sessions no update has seen (held out from the parent)
     let (mut vp, mut vy) = (Vec::new(), Vec::new());
@@ -809,13 +931,6 @@ pub fn run_update(
         }
     }
     let (value_brier, value_auc) = super::annotate::calibration(&vp, &vy);
-    let process_signal = if used_ig == sessions.len() {
-        "info_gain"
-    } else if used_ig > 0 {
-        "info_gain+success_contribution"
-    } else {
-        "success_contribution"
-    };
     let turn_adv: Vec<Vec<f64>> = match cfg.advantage {
         AdvantageMode::A2tgpo => a2,
         AdvantageMode::Outcome => sessions
@@ -838,25 +953,23 @@ pub fn run_update(
                         .collect()
                 })
                 .collect();
-            let keys: Vec<Vec<u64>> = sessions
+            let obs: Vec<Vec<Vec<i32>>> = sessions
                 .iter()
-                .map(|s| s.turns.iter().map(|t| t.context_key).collect())
+                .map(|s| s.turns.iter().map(|t| t.observation.clone()).collect())
                 .collect();
-            gigpo(&rew, &keys, &groups, &r_hat, cfg.gamma, 1.0)
+            let keys = observation_groups(&obs, &groups, cfg.gigpo_similarity);
+            gigpo(&rew, &keys, &groups, &r_hat, cfg.gamma, cfg.gigpo_omega)
         }
         AdvantageMode::WindowedGae => sessions
             .iter()
-            .map(|s| {
+            .enumerate()
+            .map(|(i, s)| {
                 let n = s.turns.len();
                 let rew: Vec<f64> = (0..n)
                     .map(|t| if t + 1 == n { success(s.outcome) } else { 0.0 })
                     .collect();
-                let v: Vec<f64> = s
-                    .turns
-                    .iter()
-                    .map(|t| current.value(&t.h.row(0).to_vec()) as f64)
-                    .collect();
-                windowed_gae(&rew, &v, 5, 1.0, 0.95)
+                let v = &state_values[i];
+                windowed_gae(&rew, v, cfg.gae_window, 1.0, cfg.gae_lambda)
             })
             .collect(),
     };
@@ -895,7 +1008,8 @@ pub fn run_update(
                 .collect::<Vec<bool>>(),
         )
     });
-    let mut order: Vec<usize> = (0..sessions.len()).filter(|&i| keep[i]).collect();
+    let order_kept: Vec<usize> = (0..sessions.len()).filter(|&i| keep[i]).collect();
+    let mut order = order_kept.clone();
     if order.is_empty() {
         return Err(Error::Invalid(
             "every group has equal outcomes: nothing to learn (DAPO filter)".into(),
@@ -912,8 +1026,7 @@ pub fn run_update(
                 .sum::<usize>()
         })
         .sum();
-    let (mut gap_full, mut gap_behavior, mut n_gap) = (0f64, (0f64, 0f64), 0usize);
-    let mut max_gap_full = 0f64;
+    let (mut gap_behavior, mut n_gap) = ((0f64, 0f64), 0usize);
     let mut turn_counter = 0usize;
     while !order.is_empty() {
         let mut take = Vec::new();
@@ -930,6 +1043,7 @@ pub fn run_update(
         let mut mb = Minibatch {
             sessions: take.clone(),
             h: Array2::zeros((0, n_embd)),
+            hs: Array2::zeros((0, n_embd)),
             base: Array2::zeros((0, 0)),
             tokens: Vec::with_capacity(n),
             batch: TokenBatch::default(),
@@ -938,6 +1052,8 @@ pub fn run_update(
             digit_vocab: digit_vocab.clone(),
         };
         let mut gens = Vec::new();
+        // per token: 1 / temperature, the support, the generating adapter
+        let mut behaviour: Vec<(f32, Option<&Support>, Option<i64>)> = Vec::with_capacity(n);
         for (si, &i) in take.iter().enumerate() {
             let s = &sessions[i];
             for (t, turn) in s.turns.iter().enumerate() {
@@ -950,9 +1066,17 @@ pub fn run_update(
                     mb.batch.ig_hat.push(ig_hat[i][t]);
                     mb.batch.final_turn.push(t + 1 == s.turns.len());
                     mb.batch.logp_behavior.push(turn.logp_behavior[k] as f64);
+                    let support = turn.support.get(k).filter(|_| !sft);
+                    // a token the sampler had no choice over (greedy, a point-mass digit)
+                    // has log-prob 0 under every adapter: nothing to learn from it
+                    let forced =
+                        support.is_some_and(|s| s.keep.as_ref().is_some_and(|k| k.len() == 1));
                     mb.batch.trainable.push(
-                        sft || token_learns(cfg, adv, || head.is_digit_token(turn.tokens[k])),
+                        sft || (!forced
+                            && token_learns(cfg, adv, || head.is_digit_token(turn.tokens[k]))),
                     );
+                    let inv_t = if sft { 1.0 } else { 1.0 / turn.temperature };
+                    behaviour.push((inv_t, support, turn.adapter_id));
                 }
                 turn_counter += 1;
                 if sft && cfg.sft_digit_class {
@@ -961,12 +1085,42 @@ pub fn run_update(
                 }
                 mb.tokens.extend_from_slice(&turn.tokens);
                 rows.extend(turn.h.iter().copied());
-                gens.push((turn.adapter_id, turn.tokens.len(), turn.logp_full.clone()));
+                gens.push((turn.adapter_id, turn.tokens.len()));
             }
         }
         mb.h = Array2::from_shape_vec((mb.tokens.len(), n_embd), rows)
             .map_err(|e| Error::Corrupt(e.to_string()))?;
         mb.base = head.base_logits(mb.h.view())?;
+        // the policy each token was sampled from: logits / T (LoRA is linear in h, so the
+        // features are divided too), restricted to the sampler's support
+        mb.hs = mb.h.clone();
+        for (k, &(inv_t, support, gen)) in behaviour.iter().enumerate() {
+            let mut row = mb.base.row_mut(k);
+            if inv_t != 1.0 {
+                row.mapv_inplace(|x| x * inv_t);
+                mb.hs.row_mut(k).mapv_inplace(|x| x * inv_t);
+            }
+            let Some(support) = support.filter(|s| !s.is_full()) else {
+                continue;
+            };
+            let row = row
+                .as_slice_mut()
+                .ok_or_else(|| Error::Corrupt("base logits are not contiguous".into()))?;
+            let excluded = match gen.and_then(|g| generators.get(&g)) {
+                // top-p's kept set is ranked by the generating policy's own logits
+                Some(ad) if support.top_n.is_some() => {
+                    let mut z = vec![0f32; row.len()];
+                    ad.apply(&mb.hs.row(k).to_vec(), &mut z);
+                    z.iter_mut().zip(row.iter()).for_each(|(z, b)| *z += b);
+                    support.excluded(&z)
+                }
+                _ => support.excluded(row),
+            };
+            row.iter_mut()
+                .zip(excluded)
+                .filter(|(_, e)| *e)
+                .for_each(|(x, _)| *x = EXCLUDED);
+        }
         // the base policy's log-probs; with a reference adapter they are only the step
         // graph's input of the right length while it computes the reference's own
         mb.batch.logp_ref = log_softmax_at(&mb.base, &mb.tokens);
@@ -985,7 +1139,7 @@ pub fn run_update(
         // engine as the new log-probs (so the first ratio of the update is exactly 1)
         let zero_b = Array2::<f32>::zeros(current.b.dim());
         let mut by_gen: HashMap<Option<i64>, Vec<f64>> = HashMap::new();
-        for (gen, _, _) in &gens {
+        for (gen, _) in &gens {
             if !by_gen.contains_key(gen) {
                 let (a, b, sc) = match gen.and_then(|g| generators.get(&g)) {
                     Some(ad) => (ad.a.view(), ad.b.view(), ad.scale()),
@@ -996,12 +1150,9 @@ pub fn run_update(
             }
         }
         let mut off = 0;
-        for (gen, len, full) in gens {
+        for (gen, len) in gens {
             let old = &by_gen[&gen][off..off + len];
             for (k, o) in old.iter().enumerate() {
-                let d = (o - full[k] as f64).abs();
-                gap_full += d;
-                max_gap_full = max_gap_full.max(d);
                 let db = (o - mb.batch.logp_behavior[off + k]).abs();
                 gap_behavior.0 += db;
                 gap_behavior.1 = gap_behavior.1.max(db);
@@ -1065,7 +1216,7 @@ pub fn run_update(
                     let digit = mb.digit_vocab.as_deref().map_or(&[][..], Vec::as_slice);
                     lora_class_ce_and_grad(
                         mb.base.view(),
-                        mb.h.view(),
+                        mb.hs.view(),
                         &mb.tokens,
                         current.a.view(),
                         current.b.view(),
@@ -1077,7 +1228,7 @@ pub fn run_update(
                 }
                 None => lora_loss_and_grad_entropy(
                     mb.base.view(),
-                    mb.h.view(),
+                    mb.hs.view(),
                     &mb.tokens,
                     current.a.view(),
                     current.b.view(),
@@ -1187,7 +1338,7 @@ pub fn run_update(
     let (mut ent_sum, mut ent_n) = (0f64, 0usize);
     let (mut ev_num, mut ev_den, mut ys) = (0f64, 0f64, Vec::new());
     for mb in &minibatches {
-        let new = logprobs(&mb.base, &mb.h, &mb.tokens, Some(&current));
+        let new = logprobs(&mb.base, &mb.hs, &mb.tokens, Some(&current));
         // turn entropy: per session, softmax over per-turn shares of the session's Σ lr
         let mut per_seq: HashMap<usize, HashMap<usize, f64>> = HashMap::new();
         for (k, (n, o)) in new.iter().zip(&mb.batch.logp_old).enumerate() {
@@ -1231,6 +1382,12 @@ pub fn run_update(
     }
     let secs = t_start.elapsed().as_secs_f64();
     let st = last_stats.unwrap_or_default();
+    let mut temperatures: Vec<f32> = order_kept
+        .iter()
+        .flat_map(|&i| sessions[i].turns.iter().map(|t| t.temperature))
+        .collect();
+    temperatures.sort_by(f32::total_cmp);
+    temperatures.dedup();
     let diagnostics = json!({
         "sessions": minibatches.iter().map(|m| m.sessions.len()).sum::<usize>(),
         "tokens": total_tokens,
@@ -1255,12 +1412,13 @@ pub fn run_update(
         "grad_norm": grad_norm_last,
         "lr": cfg.lr,
         "tokens_per_s": (total_tokens * cfg.epochs) as f64 / secs,
-        "logp_old_vs_full_mean": gap_full / n_gap.max(1) as f64,
-        "logp_old_vs_full_max": max_gap_full,
         "logp_old_vs_behavior_mean": gap_behavior.0 / n_gap.max(1) as f64,
         "logp_old_vs_behavior_max": gap_behavior.1,
         "turn_entropy": ent_sum / ent_n.max(1) as f64,
         "grouping": grouping,
+        "groups": groups.iter().collect::<std::collections::HashSet<_>>().len(),
+        "fallback_sessions": fallback.len(),
+        "sampling_temperatures": temperatures,
         "seconds": secs,
         "backend": format!("{:?}", cfg.backend).to_lowercase(),
         "advantage": format!("{:?}", cfg.advantage).to_lowercase(),

@@ -103,6 +103,8 @@ pub struct Reply {
     pub logp_behavior: Vec<f32>,
     /// log-prob of each token under the full softmax at temperature 1
     pub logp_full: Vec<f32>,
+    /// per token, where the behaviour distribution had its mass (what the learner masks)
+    pub support: Vec<sampler::Support>,
     /// final hidden state of each sampling position, `tokens.len() × n_embd`
     pub hidden: Vec<f32>,
     /// why generation ended
@@ -820,6 +822,7 @@ impl Worker {
         let (mut text, mut rendered) = (String::new(), Vec::<u8>::new());
         let mut tokens = Vec::new();
         let (mut lb, mut lf) = (Vec::new(), Vec::new());
+        let mut support = Vec::new();
         let mut hidden = Vec::with_capacity(p.max_tokens * self.n_embd);
         let mut visible_len = None;
         let mut streamed = 0usize;
@@ -839,12 +842,25 @@ impl Worker {
             let slotted = self.constrain(&mut logits, &text, p);
             let digits = &self.digits;
             let is_digit = |t: i32| usize::try_from(t).is_ok_and(|t| digits.get(t) == Some(&true));
-            let mut s = sampler::sample_with(
-                slotted.as_deref().unwrap_or(&logits),
-                p,
-                &mut rng,
-                &is_digit,
-            );
+            let drawn_from = slotted.as_deref().unwrap_or(&logits);
+            let dist = sampler::distribution_with(drawn_from, p, &is_digit);
+            let mut s = sampler::sample_dist(drawn_from, &dist, &mut rng);
+            // what the learner must mask to recompute this distribution from the logits:
+            // the ignored end tokens and what the id slot took out
+            let mut dropped: Vec<u32> = Vec::new();
+            if p.ignore_eog {
+                dropped.extend(self.eog.iter().map(|&t| t as u32));
+            }
+            if let Some(sl) = slotted.as_deref() {
+                dropped.extend(
+                    sl.iter()
+                        .zip(&logits)
+                        .enumerate()
+                        .filter(|(_, (m, l))| m.is_infinite() && l.is_finite())
+                        .map(|(i, _)| i as u32),
+                );
+            }
+            support.push(sampler::Support::of(&dist, logits.len(), dropped));
             if let Some(sl) = shadow_logits.as_mut() {
                 let masked = self.constrain(sl, &text, p);
                 let mut top = sampler::top_k(masked.as_deref().unwrap_or(sl), 2);
@@ -902,6 +918,7 @@ impl Worker {
             tokens,
             logp_behavior: lb,
             logp_full: lf,
+            support,
             hidden,
             stop,
             context_len,

@@ -117,6 +117,93 @@ pub fn numbers_in(text: &str) -> Vec<String> {
     out
 }
 
+/// Where the behaviour distribution of one sampled token put its mass, relative to the
+/// tempered softmax over the whole vocabulary: what the learner needs to recompute the
+/// behaviour log-prob from the logits alone (ALGORITHMS.md §6). Stored per token with the
+/// turn; `Support::default()` (nothing kept, dropped or truncated) is the whole tempered softmax.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Support {
+    /// the only tokens with mass, when there are few of them (top-k, a greedy digit, an id
+    /// slot that only digits may fill); the distribution is the tempered softmax over them
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep: Option<Vec<u32>>,
+    /// tokens masked before sampling (the id slot's disallowed digits, ignored end tokens)
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drop: Vec<u32>,
+    /// top-p kept the `n` highest tempered logits of those not dropped (large kept sets only;
+    /// the learner recovers the set by rank from its own logits)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_n: Option<u32>,
+}
+
+/// Kept sets of at most this many tokens are stored as a list ([`Support::keep`]).
+pub const SUPPORT_KEEP_MAX: usize = 64;
+
+impl Support {
+    /// The whole tempered softmax.
+    pub fn is_full(&self) -> bool {
+        self.keep.is_none() && self.drop.is_empty() && self.top_n.is_none()
+    }
+
+    /// The support of `dist` (a [`distribution`] over `n_vocab` entries) drawn from logits where
+    /// the entries `dropped` were masked.
+    pub fn of(dist: &[(i32, f64)], n_vocab: usize, dropped: Vec<u32>) -> Support {
+        let live = dist.iter().filter(|d| d.1 > 0.0).count();
+        let avail = n_vocab.saturating_sub(dropped.len());
+        if live <= SUPPORT_KEEP_MAX && live < avail {
+            let mut keep: Vec<u32> = dist
+                .iter()
+                .filter(|d| d.1 > 0.0)
+                .map(|d| d.0 as u32)
+                .collect();
+            keep.sort_unstable();
+            return Support {
+                keep: Some(keep),
+                ..Support::default()
+            };
+        }
+        let top_n = (live < avail).then_some(live as u32);
+        Support {
+            keep: None,
+            drop: dropped,
+            top_n,
+        }
+    }
+
+    /// The entries of a logit row `z` (already divided by the temperature) outside the support:
+    /// every index `i` with `out[i]` true gets no mass. `z` decides `top_n` by rank (ties: the
+    /// lower id, as the sampler breaks them).
+    pub fn excluded(&self, z: &[f32]) -> Vec<bool> {
+        let n = z.len();
+        if let Some(keep) = &self.keep {
+            let mut out = vec![true; n];
+            for &k in keep {
+                if let Some(o) = out.get_mut(k as usize) {
+                    *o = false;
+                }
+            }
+            return out;
+        }
+        let mut out = vec![false; n];
+        for &d in &self.drop {
+            if let Some(o) = out.get_mut(d as usize) {
+                *o = true;
+            }
+        }
+        if let Some(top) = self.top_n {
+            let mut idx: Vec<usize> = (0..n).filter(|&i| !out[i]).collect();
+            let top = (top as usize).min(idx.len());
+            if top < idx.len() {
+                idx.select_nth_unstable_by(top, |&a, &b| z[b].total_cmp(&z[a]).then(a.cmp(&b)));
+                for &i in &idx[top..] {
+                    out[i] = true;
+                }
+            }
+        }
+        out
+    }
+}
+
 /// A deterministic SplitMix64 random stream.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
@@ -290,11 +377,15 @@ pub fn sample_with(
     rng: &mut Rng,
     is_digit: &dyn Fn(i32) -> bool,
 ) -> Sampled {
-    let dist = distribution_with(logits, p, is_digit);
+    sample_dist(logits, &distribution_with(logits, p, is_digit), rng)
+}
+
+/// Draws one token from `dist`, the distribution [`distribution_with`] made of `logits`.
+pub fn sample_dist(logits: &[f32], dist: &[(i32, f64)], rng: &mut Rng) -> Sampled {
     let u = rng.next_f64();
     let mut cum = 0.0;
     let mut pick = dist[dist.len() - 1];
-    for &(tok, q) in &dist {
+    for &(tok, q) in dist {
         cum += q;
         if u < cum {
             pick = (tok, q);
@@ -445,6 +536,68 @@ mod tests {
         assert!(id_slot_open("ACTION status 176"));
         assert!(!id_slot_open("ACTION status 17694."));
         assert!(!id_slot_open("no action here"));
+    }
+
+    /// The support recorded for each kind of sampler, and the behaviour log-prob recomputed
+    /// from it: `log_softmax(z / T)` over the entries [`Support::excluded`] leaves.
+    #[test]
+    fn support_recovers_the_behaviour_distribution() {
+        let logits = [2.0f32, 1.0, 0.5, -1.0, 3.0, 0.0];
+        let recompute = |logits: &[f32], p: &SamplerParams, sup: &Support, tok: usize| {
+            // a greedy turn is learned at temperature 1 over its one kept token
+            let t = if p.temperature > 0.0 {
+                p.temperature
+            } else {
+                1.0
+            };
+            let z: Vec<f32> = logits.iter().map(|l| l / t).collect();
+            let ex = sup.excluded(&z);
+            let kept: Vec<f32> = z
+                .iter()
+                .zip(&ex)
+                .filter(|(_, e)| !**e)
+                .map(|(z, _)| *z)
+                .collect();
+            f64::from(z[tok]) - logsumexp(&kept)
+        };
+        let cases = [
+            (params(0.7, 1.0, 0), vec![]),     // whole tempered softmax
+            (params(0.7, 1.0, 3), vec![]),     // top-k: kept set stored
+            (params(0.7, 0.8, 0), vec![]),     // top-p: kept by rank
+            (params(0.7, 1.0, 0), vec![1, 3]), // masked entries (an id slot)
+            (params(0.0, 1.0, 0), vec![]),     // greedy: a point mass
+        ];
+        for (p, dropped) in cases {
+            let mut masked = logits;
+            for &d in &dropped {
+                masked[d as usize] = f32::NEG_INFINITY;
+            }
+            let dist = distribution(&masked, &p);
+            let sup = Support::of(&dist, logits.len(), dropped.clone());
+            for &(tok, q) in dist.iter().filter(|d| d.1 > 0.0) {
+                let got = recompute(&logits, &p, &sup, tok as usize);
+                assert!(
+                    (got - q.ln()).abs() < 1e-6,
+                    "{p:?} {sup:?}: {got} vs {}",
+                    q.ln()
+                );
+            }
+        }
+        // what is stored: nothing for the whole softmax, a list for small kept sets
+        let full = distribution(&logits, &params(0.7, 1.0, 0));
+        assert!(Support::of(&full, 6, vec![]).is_full());
+        let top = Support::of(&distribution(&logits, &params(0.7, 1.0, 3)), 6, vec![]);
+        assert_eq!(top.keep, Some(vec![0, 1, 4]));
+        let greedy = Support::of(&distribution(&logits, &params(0.0, 1.0, 0)), 6, vec![]);
+        assert_eq!(greedy.keep, Some(vec![4]));
+        // a large top-p kept set is stored as its size
+        let wide: Vec<f32> = (0..200).map(|i| -(i as f32) * 0.01).collect();
+        let nucleus = Support::of(&distribution(&wide, &params(1.0, 0.9, 0)), 200, vec![]);
+        assert!(nucleus.keep.is_none() && nucleus.top_n.is_some_and(|n| n > 64 && n < 200));
+        for &(tok, q) in &distribution(&wide, &params(1.0, 0.9, 0)) {
+            let got = recompute(&wide, &params(1.0, 0.9, 0), &nucleus, tok as usize);
+            assert!((got - q.ln()).abs() < 1e-5, "nucleus: {got} vs {}", q.ln());
+        }
     }
 
     #[test]

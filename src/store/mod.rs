@@ -18,6 +18,7 @@ pub use blob::{
 };
 
 use crate::error::{Error, Result};
+use crate::policy::sampler::Support;
 use crate::policy::{FeatureDtype, Role, SamplerParams};
 
 /// How long a connection waits for another's write lock before `database is locked`.
@@ -48,6 +49,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     (
         "0006_experience.sql",
         include_str!("../../migrations/0006_experience.sql"),
+    ),
+    (
+        "0007_token_support.sql",
+        include_str!("../../migrations/0007_token_support.sql"),
     ),
 ];
 
@@ -189,6 +194,9 @@ pub struct TokenLogprobs {
     pub logp_behavior: Vec<f32>,
     /// log-prob under the full softmax at temperature 1
     pub logp_full: Vec<f32>,
+    /// per token, where the behaviour distribution had its mass; empty: the whole tempered
+    /// softmax for every token
+    pub support: Vec<Support>,
 }
 
 /// Hidden states of an assistant turn's sampling positions.
@@ -789,18 +797,27 @@ impl Store {
     /// # Errors
     /// SQLite errors; [`Error::Corrupt`].
     pub fn token_logprobs(&self, turn_id: i64) -> Result<Option<TokenLogprobs>> {
-        let row: Option<(Vec<u8>, Vec<u8>)> = self
+        let row: Option<(Vec<u8>, Vec<u8>, Option<String>)> = self
             .conn
             .query_row(
-                "SELECT logp_behavior, logp_full FROM tokens WHERE turn_id = ?1",
+                "SELECT logp_behavior, logp_full, support FROM tokens WHERE turn_id = ?1",
                 [turn_id],
-                |r| Ok((r.get(0)?, r.get(1)?)),
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
             )
             .optional()?;
-        row.map(|(b, f)| {
+        row.map(|(b, f, sup)| {
+            let support = match sup {
+                Some(j) => serde_json::from_str::<Vec<Option<Support>>>(&j)
+                    .map_err(|e| Error::Corrupt(format!("token support of turn {turn_id}: {e}")))?
+                    .into_iter()
+                    .map(Option::unwrap_or_default)
+                    .collect(),
+                None => Vec::new(),
+            };
             Ok(TokenLogprobs {
                 logp_behavior: from_f32_blob(&b)?,
                 logp_full: from_f32_blob(&f)?,
+                support,
             })
         })
         .transpose()
@@ -1163,6 +1180,7 @@ fn insert_turns(conn: &Connection, session_id: i64, turns: &[NewTurn]) -> Result
         if let Some(lp) = &t.logprobs {
             if lp.logp_behavior.len() != t.token_ids.len()
                 || lp.logp_full.len() != t.token_ids.len()
+                || !(lp.support.is_empty() || lp.support.len() == t.token_ids.len())
             {
                 return Err(Error::Invalid("log-probs do not align with tokens".into()));
             }
@@ -1198,9 +1216,20 @@ fn insert_turns(conn: &Connection, session_id: i64, turns: &[NewTurn]) -> Result
         )?;
         let id = conn.last_insert_rowid();
         if let Some(lp) = &t.logprobs {
+            // the whole softmax for every token is stored as NULL, a full token as null
+            let support = (!lp.support.iter().all(Support::is_full))
+                .then(|| {
+                    let sparse: Vec<Option<&Support>> = lp
+                        .support
+                        .iter()
+                        .map(|s| (!s.is_full()).then_some(s))
+                        .collect();
+                    serde_json::to_string(&sparse)
+                })
+                .transpose()?;
             conn.execute(
-                "INSERT INTO tokens (turn_id, logp_behavior, logp_full) VALUES (?1, ?2, ?3)",
-                params![id, f32_blob(&lp.logp_behavior), f32_blob(&lp.logp_full)],
+                "INSERT INTO tokens (turn_id, logp_behavior, logp_full, support) VALUES (?1, ?2, ?3, ?4)",
+                params![id, f32_blob(&lp.logp_behavior), f32_blob(&lp.logp_full), support],
             )?;
         }
         if let Some(f) = &t.hidden {
@@ -1281,6 +1310,7 @@ mod tests {
             logprobs: Some(TokenLogprobs {
                 logp_behavior: vec![-0.5; n],
                 logp_full: vec![-0.75; n],
+                support: Vec::new(),
             }),
             hidden: Some(Features {
                 n_embd: 4,
