@@ -228,11 +228,12 @@ impl TrainConfig {
         if self.epochs == 0 || self.minibatch_tokens == 0 || self.rank == 0 {
             return bad("epochs, minibatch tokens and the LoRA rank must be at least 1");
         }
-        if !(self.gigpo_similarity > 0.0 && self.gigpo_similarity <= 1.0)
-            || !(0.0..=1.0).contains(&self.gae_lambda)
-            || self.gae_window == 0
-            || !self.gigpo_omega.is_finite()
-        {
+        let steps_ok = self.gigpo_similarity > 0.0
+            && self.gigpo_similarity <= 1.0
+            && (0.0..=1.0).contains(&self.gae_lambda)
+            && self.gae_window > 0
+            && self.gigpo_omega.is_finite();
+        if !steps_ok {
             return bad("GiGPO similarity must be in (0, 1], GAE lambda in [0, 1], the GAE window at least 1");
         }
         if o.tis_cap.is_some_and(|c| !(c.is_finite() && c >= 1.0)) {
