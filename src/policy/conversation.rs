@@ -104,18 +104,74 @@ pub fn render(template: &str, messages: &[Message], add_generation_prompt: bool)
     Model::apply_template(template, &pairs, add_generation_prompt)
 }
 
-/// Tokenises template text in which `content` (user-supplied) appears: the template's markers
-/// are parsed as control tokens, the content is not, so a user cannot inject `<|im_end|>`.
-fn tokenize_delta(model: &Model, delta: &str, content: &str, add_bos: bool) -> Result<Vec<Token>> {
-    match delta.rfind(content).filter(|_| !content.is_empty()) {
-        Some(at) => {
-            let mut t = model.tokenize(&delta[..at], add_bos, true)?;
-            t.extend(model.tokenize(content, false, false)?);
-            t.extend(model.tokenize(&delta[at + content.len()..], false, true)?);
-            Ok(t)
-        }
-        None => model.tokenize(delta, add_bos, true),
+/// A rendering cut into template text and message contents, in order: `(text, is_content)`.
+/// The template is rendered with a unique marker in place of each message's content, so a
+/// content is found by position, never by searching for its text (a user message equal to the
+/// template's own closing text, `<|im_end|>\n<|im_start|>assistant\n`, would otherwise be
+/// found where the template wrote it, and the user's copy parsed as control tokens).
+///
+/// # Errors
+/// [`Error::Template`] when the template cannot render the messages, or does not show each
+/// content exactly once as given (then it cannot be tokenised safely).
+fn segments(
+    template: &str,
+    messages: &[Message],
+    add_generation_prompt: bool,
+) -> Result<Vec<(String, bool)>> {
+    let marks: Vec<String> = (0..messages.len())
+        .map(|i| format!("\u{E000}turnwise-content-{i}\u{E001}"))
+        .collect();
+    let pairs: Vec<(&str, &str)> = messages
+        .iter()
+        .zip(&marks)
+        .map(|(m, k)| (m.role.as_str(), k.as_str()))
+        .collect();
+    let rendered = Model::apply_template(template, &pairs, add_generation_prompt)?;
+    let mut out = Vec::with_capacity(2 * messages.len() + 1);
+    let mut rest = rendered.as_str();
+    for (m, k) in messages.iter().zip(&marks) {
+        let at = match (rest.find(k.as_str()), rendered.matches(k.as_str()).count()) {
+            (Some(at), 1) => at,
+            _ => {
+                return Err(Error::Template(
+                    "the chat template does not show each message's text once as given; it \
+                     cannot be tokenised without parsing user text as control tokens"
+                        .into(),
+                ))
+            }
+        };
+        out.push((rest[..at].to_string(), false));
+        out.push((m.content.clone(), true));
+        rest = &rest[at + k.len()..];
     }
+    out.push((rest.to_string(), false));
+    Ok(out)
+}
+
+/// Tokenises the segments' text from byte `from` of their concatenation: template text with
+/// its markers parsed as control tokens, message contents as plain text.
+fn tokenize_segments(
+    model: &Model,
+    segments: &[(String, bool)],
+    from: usize,
+    add_bos: bool,
+) -> Result<Vec<Token>> {
+    let mut tokens = Vec::new();
+    let (mut off, mut bos) = (0usize, add_bos);
+    for (text, is_content) in segments {
+        let end = off + text.len();
+        if end > from || (bos && end == from) {
+            let piece = text.get(from.saturating_sub(off)..).ok_or_else(|| {
+                Error::Template("the rendered history does not end between characters".into())
+            })?;
+            if !piece.is_empty() || bos {
+                tokens.extend(model.tokenize(piece, bos, !is_content)?);
+                bos = false;
+            }
+        }
+        off = end;
+    }
+    Ok(tokens)
 }
 
 fn common_prefix(a: &[Token], b: &[Token]) -> usize {
@@ -137,19 +193,17 @@ impl Conversation {
     ) -> Result<PromptTurn> {
         let mut msgs = self.messages.clone();
         msgs.push(message.clone());
-        let full = render(template, &msgs, add_generation_prompt)?;
+        let segs = segments(template, &msgs, add_generation_prompt)?;
+        let full: String = segs.iter().map(|s| s.0.as_str()).collect();
         let (tokens, retokenized) = if self.tokens.is_empty() {
+            (tokenize_segments(model, &segs, 0, model.add_bos())?, false)
+        } else if full.starts_with(self.rendered.as_str()) {
             (
-                tokenize_delta(model, &full, &message.content, model.add_bos())?,
-                false,
-            )
-        } else if let Some(delta) = full.strip_prefix(self.rendered.as_str()) {
-            (
-                tokenize_delta(model, delta, &message.content, false)?,
+                tokenize_segments(model, &segs, self.rendered.len(), false)?,
                 false,
             )
         } else {
-            let all = model.tokenize(&full, model.add_bos(), true)?;
+            let all = tokenize_segments(model, &segs, 0, model.add_bos())?;
             let keep = common_prefix(&self.tokens, &all);
             self.tokens.truncate(keep);
             (all[keep..].to_vec(), true)
