@@ -60,6 +60,26 @@ fn quick_demo(args: &[&str]) -> (tempfile::TempDir, PathBuf, Output, serde_json:
     (dir, out, o, result)
 }
 
+/// `v` without the fields that measure time (wall clock, phases, seconds, throughput, the run
+/// directory's paths).
+fn without_times(v: &serde_json::Value) -> serde_json::Value {
+    match v {
+        serde_json::Value::Object(m) => m
+            .iter()
+            .filter(|(k, _)| {
+                !(k.ends_with("_s")
+                    || k.ends_with("_ms")
+                    || k.ends_with("seconds")
+                    || k.ends_with("per_s")
+                    || k.as_str() == "out")
+            })
+            .map(|(k, x)| (k.clone(), without_times(x)))
+            .collect(),
+        serde_json::Value::Array(a) => a.iter().map(without_times).collect(),
+        x => x.clone(),
+    }
+}
+
 #[test]
 fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
     let (_dir, out, o, result) = quick_demo(&["--seed", "2", "--val", "0"]);
@@ -67,6 +87,12 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
     assert!(
         stdout.contains("warm start") && stdout.contains("final"),
         "{stdout}"
+    );
+    // without a terminal, each phase still says when it starts and ends
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        stderr.contains("] demonstrations:") && stderr.contains(": done in "),
+        "{stderr}"
     );
 
     // report files
@@ -208,6 +234,13 @@ fn two_engines_log_every_session_and_reproduce_a_seeded_run() {
             .collect()
     };
     assert_eq!(rollouts(&first), rollouts(&second));
+    // the whole result, updates included, apart from how long things took: the update reads its
+    // batch in an order that does not depend on which engine logged a session first
+    let (a, b) = (without_times(&first), without_times(&second));
+    if a != b {
+        let (ai, bi) = (&a["iterations"], &b["iterations"]);
+        panic!("two runs of one seed differ:\n{ai}\n{bi}");
+    }
     let store = Store::open(&out.join("turnwise.db")).unwrap();
     let conn = store.connection();
     let (sessions, ended, with_outcome): (i64, i64, i64) = conn
@@ -243,6 +276,8 @@ fn two_engines_log_every_session_and_reproduce_a_seeded_run() {
         "--engines must be between 1 and --threads",
     );
     refused(&["--eps-low", "1.5"], "--eps-low must lie in (0, 1)");
+    // the global --db does not apply to a demo, which keeps its log in its run directory
+    refused(&["--db", "elsewhere.db"], "--db does not apply");
 }
 
 /// The validation gate: a candidate is activated exactly when its greedy validation success

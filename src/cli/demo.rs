@@ -1,5 +1,6 @@
 //! `turnwise demo`: the simulated customer-service desk where the bot learns on this machine.
 
+use std::io::IsTerminal as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -308,8 +309,18 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
             .unwrap_or_else(|_| ProgressStyle::default_bar())
             .progress_chars("=> ");
     let mut bar: Option<ProgressBar> = None;
+    // without a terminal the bars draw nothing: one line per phase instead, with its time
+    let lines = !std::io::stderr().is_terminal();
+    let (t0, mut phase_start) = (std::time::Instant::now(), std::time::Instant::now());
     let mut on = |p: Progress| match p {
         Progress::Phase(name, n) => {
+            if lines {
+                eprintln!(
+                    "[{:>6.1} min] {name}: {n} steps",
+                    t0.elapsed().as_secs_f64() / 60.0
+                );
+                phase_start = std::time::Instant::now();
+            }
             let b = ProgressBar::new(n as u64);
             b.set_style(style.clone());
             b.set_prefix(name.to_string());
@@ -320,7 +331,14 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
                 b.inc(1);
             }
         }
-        Progress::Done(_) => {
+        Progress::Done(name) => {
+            if lines {
+                eprintln!(
+                    "[{:>6.1} min] {name}: done in {:.0} s",
+                    t0.elapsed().as_secs_f64() / 60.0,
+                    phase_start.elapsed().as_secs_f64()
+                );
+            }
             if let Some(b) = bar.take() {
                 b.finish();
             }

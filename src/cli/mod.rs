@@ -108,6 +108,10 @@ pub fn main() -> ExitCode {
         .init();
     let db = db_path(&cli.db);
     let result = match cli.cmd {
+        // the demo writes its own turn log in its run directory: a --db would be ignored
+        Cmd::Demo(_) if cli.db.is_some() => Err(anyhow::anyhow!(
+            "demo writes its turn log to its own run directory (<--out>/turnwise.db); --db does not apply to it, use --out DIR"
+        )),
         Cmd::Demo(a) => demo::run(*a, cli.verbose),
         Cmd::Chat(a) => chat::run(a, &db, cli.verbose),
         Cmd::Import(a) => import::run(a, &db, cli.verbose),
