@@ -261,6 +261,34 @@ fn bad_requests_get_openai_errors_and_change_nothing() {
             "{why}: {b}"
         );
     }
+    // stop lists: bounded, no empty string, strings only
+    let many: Vec<String> = (0..10).map(|i| format!("s{i}")).collect();
+    let stops = [
+        json!(""),
+        json!(many),
+        json!(["ok", 7]),
+        json!(["x".repeat(300)]),
+    ];
+    for stop in stops {
+        let body = json!({"messages": [{"role": "user", "content": "x"}], "stop": stop});
+        let (s, b) = http(
+            a,
+            "POST",
+            "/v1/chat/completions",
+            &auth,
+            body.to_string().as_bytes(),
+        );
+        assert_eq!(s, 400, "{b}");
+        assert!(b.contains("stop"), "{b}");
+    }
+    // a body that ends before its Content-Length is a read error (400), not "too large"
+    let mut sock = TcpStream::connect(a).unwrap();
+    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekrit\r\nContent-Length: 200\r\n\r\n{{\"messages\"").unwrap();
+    sock.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut raw = String::new();
+    let _ = sock.read_to_string(&mut raw);
+    assert!(raw.starts_with("HTTP/1.1 400"), "{raw}");
+    assert!(raw.contains("could not be read"), "{raw}");
     let (s, b) = http(
         a,
         "POST",
@@ -269,7 +297,7 @@ fn bad_requests_get_openai_errors_and_change_nothing() {
         br#"{"thumb":"up"}"#,
     );
     assert_eq!(s, 404, "{b}");
-    let (s, _) = http(
+    let (s, b) = http(
         a,
         "POST",
         "/v1/chat/completions",
@@ -277,6 +305,24 @@ fn bad_requests_get_openai_errors_and_change_nothing() {
         ok.to_string().as_bytes(),
     );
     assert_eq!(s, 200);
+    let sid = serde_json::from_str::<Value>(&b).unwrap()["session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // feedback names a turn of the session that the assistant wrote, or none
+    for turn in [0, 7, -1] {
+        let body = json!({"thumb": "up", "turn": turn}).to_string();
+        let path = format!("/v1/sessions/{sid}/feedback");
+        let (s, b) = http(a, "POST", &path, &auth, body.as_bytes());
+        assert_eq!(s, 400, "turn {turn}: {b}");
+    }
+    // health, the adapters list without file paths, the conversations held in memory
+    let (s, b) = http(a, "GET", "/healthz", &auth, b"");
+    assert_eq!((s, b.contains("ok")), (200, true), "{b}");
+    let (_, b) = http(a, "GET", "/v1/adapters", &auth, b"");
+    assert!(!b.contains("path") && !b.contains(".adapters"), "{b}");
+    let (_, b) = http(a, "GET", "/metrics", &auth, b"");
+    assert!(b.contains("turnwise_live_sessions 1"), "{b}");
     let store = Store::open(&db).unwrap();
     let st = store.storage_stats().unwrap();
     assert_eq!(
@@ -503,4 +549,134 @@ fn a_full_queue_is_429_and_a_client_that_leaves_cancels_but_is_logged() {
         json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
     );
     assert_eq!(s, 200);
+}
+
+/// One reply at a time per session: a second request on a session whose reply is being
+/// streamed, and `/end` during it, are 409 (they would interleave into one context, or let the
+/// finishing job re-open an ended session). Conversations held in memory are bounded: beyond
+/// `--max-live-sessions` the least recently used is dropped and restored from the log when its
+/// client comes back.
+#[test]
+fn one_reply_at_a_time_per_session_and_bounded_conversations() {
+    let dir = tempdir();
+    let db = dir.path().join("busy.db");
+    let srv = Server::start(&db, &["--no-learn", "--max-live-sessions", "2"]);
+    let a = srv.addr.clone();
+    let mut sock = TcpStream::connect(&a).unwrap();
+    let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}],
+                      "max_tokens": 300, "stream": true, "session_id": "c1", "seed": 1})
+    .to_string();
+    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
+    let mut reader = BufReader::new(sock);
+    let mut line = String::new();
+    while !line.contains("data:") {
+        line.clear();
+        reader.read_line(&mut line).unwrap(); // the stream has started
+    }
+    let again = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "session_id": "c1"});
+    let (s, b) = chat(&a, again);
+    assert_eq!(s, 409, "{b}");
+    let (s, b) = http(&a, "POST", "/v1/sessions/c1/end", &[], b"");
+    assert_eq!(s, 409, "{b}");
+    let mut rest = String::new();
+    reader.read_to_string(&mut rest).unwrap_or(0);
+    assert!(rest.contains("[DONE]"), "{rest}");
+    // after the reply the session can be ended
+    let (s, b) = http(&a, "POST", "/v1/sessions/c1/end", &[], b"");
+    assert_eq!(s, 200, "{b}");
+
+    // three conversations, at most two in memory
+    let mut first = Value::Null;
+    for id in ["k1", "k2", "k3"] {
+        let (s, r) = chat(
+            &a,
+            json!({"messages": [{"role": "user", "content": format!("Hello from {id}")}],
+                   "max_tokens": 6, "session_id": id, "seed": 2}),
+        );
+        assert_eq!(s, 200, "{r}");
+        if id == "k1" {
+            first = r;
+        }
+    }
+    let (_, m) = http(&a, "GET", "/metrics", &[], b"");
+    assert!(m.contains("turnwise_live_sessions 2"), "{m}");
+    // k1 was dropped from memory; its client continues it and the log has one session for it
+    let reply = first["choices"][0]["message"]["content"].clone();
+    let (s, r) = chat(
+        &a,
+        json!({"messages": [{"role": "user", "content": "Hello from k1"},
+                            {"role": "assistant", "content": reply},
+                            {"role": "user", "content": "And again"}],
+               "max_tokens": 6, "session_id": "k1", "seed": 2}),
+    );
+    assert_eq!(s, 200, "{r}");
+    let store = Store::open(&db).unwrap();
+    let k1: Vec<i64> = store
+        .sessions(None, 20)
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.metadata["client_session_id"] == "k1")
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(k1.len(), 1, "restored, not a new session: {k1:?}");
+    assert_eq!(
+        store.turns(k1[0]).unwrap().len(),
+        4,
+        "two user turns, two replies"
+    );
+}
+
+/// Start-up after a crash: an active adapter that cannot be served (a damaged file) gives way to
+/// the previous one with a warning instead of stopping the server, a version left `writing` is
+/// marked rejected and a dead process's temporary adapter folder is removed.
+#[test]
+fn the_server_starts_on_the_previous_adapter_when_the_active_one_is_damaged() {
+    use turnwise::adapter::{adapter_dir, adapters_root, Adapter};
+    let dir = tempdir();
+    let db = dir.path().join("start.db");
+    let h = crate::common::head();
+    let mut store = Store::open(&db).unwrap();
+    let mut ids = Vec::new();
+    for seed in [1, 2] {
+        let id = store
+            .register_adapter(None, |id| {
+                adapter_dir(&db, id).to_string_lossy().into_owned()
+            })
+            .unwrap();
+        Adapter::fresh(h.n_embd(), h.n_vocab(), 4, 8.0, seed, "t")
+            .save(&adapter_dir(&db, id))
+            .unwrap();
+        store.set_adapter_status(id, "candidate", None).unwrap();
+        store.activate_adapter(id).unwrap();
+        ids.push(id);
+    }
+    let writing = store
+        .register_adapter(None, |id| {
+            adapter_dir(&db, id).to_string_lossy().into_owned()
+        })
+        .unwrap();
+    let tmp = adapters_root(&db).join(".000099.tmp-4000000");
+    std::fs::create_dir_all(&tmp).unwrap();
+    drop(store);
+    // damage the active adapter's tensors
+    for f in std::fs::read_dir(adapter_dir(&db, ids[1])).unwrap() {
+        let p = f.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            std::fs::write(&p, b"not a safetensors file").unwrap();
+        }
+    }
+    let srv = Server::start(&db, &["--no-learn"]);
+    let (s, b) = http(&srv.addr, "GET", "/v1/adapters", &[], b"");
+    assert_eq!(s, 200, "{b}");
+    let v: Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(v["active"], json!(ids[0]), "{b}");
+    let (s, _) = chat(
+        &srv.addr,
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    );
+    assert_eq!(s, 200);
+    let store = Store::open(&db).unwrap();
+    assert_eq!(store.adapter(ids[1]).unwrap().status, "rejected");
+    assert_eq!(store.adapter(writing).unwrap().status, "rejected");
+    assert!(!tmp.exists(), "the dead process's temporary folder is gone");
 }

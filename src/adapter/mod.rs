@@ -320,6 +320,11 @@ fn write_synced(path: &Path, data: &[u8]) -> Result<()> {
 /// Where adapter versions of a database live: `<db dir>/<db name>.adapters/<id>`, so that two
 /// databases in one directory never share version directories.
 pub fn adapter_dir(db: &Path, id: i64) -> PathBuf {
+    adapters_root(db).join(format!("{id:06}"))
+}
+
+/// The folder that holds the adapters of the database `db`.
+pub fn adapters_root(db: &Path) -> PathBuf {
     let name = db
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -327,7 +332,31 @@ pub fn adapter_dir(db: &Path, id: i64) -> PathBuf {
     db.parent()
         .unwrap_or(Path::new("."))
         .join(format!("{name}.adapters"))
-        .join(format!("{id:06}"))
+}
+
+/// Removes the temporary folders of adapter writes whose process is gone (a crash between
+/// writing and renaming); returns how many. Folders of running processes are left alone.
+pub fn remove_stale_temp_dirs(db: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(adapters_root(db)) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix('.')
+            .and_then(|n| n.rsplit_once(".tmp-"))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let running =
+            pid == std::process::id() || Path::new("/proc").join(pid.to_string()).exists();
+        if !running && std::fs::remove_dir_all(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
 }
 
 #[cfg(test)]

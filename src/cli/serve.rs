@@ -53,6 +53,16 @@ pub struct ServeArgs {
     /// Promotion gate: largest approximate KL of a candidate to its parent
     #[arg(long, default_value_t = 0.05)]
     gate_kl: f64,
+    /// Most conversations held in memory; the least recently used beyond it is dropped from
+    /// memory (its log stays, and a later request with its session id restores it)
+    #[arg(long, default_value_t = 1024)]
+    max_live_sessions: usize,
+    /// Minutes after which an idle conversation is dropped from memory (as above)
+    #[arg(long, default_value_t = 30.0)]
+    session_idle_minutes: f64,
+    /// Seconds a client may take to send a request body
+    #[arg(long, default_value_t = 30)]
+    body_timeout_s: u64,
 }
 
 /// Serves until killed.
@@ -73,6 +83,11 @@ pub fn run(args: ServeArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode
         learn_algo: args.algo,
         train_threads: args.train_threads,
         gate_kl: args.gate_kl,
+        max_live_sessions: args.max_live_sessions.max(1),
+        session_idle: std::time::Duration::from_secs_f64(
+            (args.session_idle_minutes.max(0.0) * 60.0).min(1e9),
+        ),
+        body_timeout: std::time::Duration::from_secs(args.body_timeout_s.max(1)),
     };
     let state = AppState::new(engine, cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -214,6 +214,17 @@ enum Command {
 pub struct Engine {
     tx: mpsc::Sender<Command>,
     info: Arc<ModelInfo>,
+    /// false once the engine thread has ended (returned or panicked)
+    alive: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Clears the liveness flag when the engine thread ends, however it ends.
+struct AliveGuard(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Engine {
@@ -225,15 +236,20 @@ impl Engine {
         super::gguf::GgufIndex::open(&cfg.model)?;
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::channel();
+        let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let guard = AliveGuard(alive.clone());
         std::thread::Builder::new()
             .name("turnwise-engine".into())
-            .spawn(move || match Worker::load(&cfg) {
-                Ok(mut w) => {
-                    let _ = ready_tx.send(Ok(w.info.clone()));
-                    w.run(rx);
-                }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
+            .spawn(move || {
+                let _guard = guard;
+                match Worker::load(&cfg) {
+                    Ok(mut w) => {
+                        let _ = ready_tx.send(Ok(w.info.clone()));
+                        w.run(rx);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
                 }
             })
             .map_err(|e| Error::Llama(format!("cannot spawn engine thread: {e}")))?;
@@ -241,7 +257,14 @@ impl Engine {
         Ok(Engine {
             tx,
             info: Arc::new(info),
+            alive,
         })
+    }
+
+    /// Whether the engine thread is still running (it ends only by panicking, or when every
+    /// handle is dropped).
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Facts about the loaded model.

@@ -55,7 +55,16 @@ pub struct ServerConfig {
     pub train_threads: usize,
     /// promotion gate: largest mean k3 KL of the candidate to its parent on the guard set
     pub gate_kl: f64,
+    /// most conversations held in memory (least recently used dropped first)
+    pub max_live_sessions: usize,
+    /// an idle conversation is dropped from memory after this long
+    pub session_idle: Duration,
+    /// a request body must arrive within this long
+    pub body_timeout: Duration,
 }
+
+/// Most stop strings a request may give (OpenAI's limit), and the longest one in bytes.
+pub const MAX_STOP: (usize, usize) = (4, 256);
 
 /// An HTTP error in OpenAI's shape.
 pub struct ApiError {
@@ -119,6 +128,8 @@ struct LiveSession {
     store_id: i64,
     /// messages as the client sent and received them (assistant: the visible text)
     messages: Vec<Message>,
+    /// when a request last used it
+    last_used: Instant,
 }
 
 #[derive(Default)]
@@ -137,6 +148,8 @@ pub struct AppState {
     store: Mutex<Store>,
     cfg: ServerConfig,
     sessions: Mutex<HashMap<String, LiveSession>>,
+    /// client session ids with a generation in flight (one at a time per session)
+    busy: Mutex<std::collections::HashSet<String>>,
     queue: Arc<Semaphore>,
     metrics: Metrics,
     active: Mutex<Option<i64>>,
@@ -150,14 +163,34 @@ impl AppState {
     /// # Errors
     /// Store errors, or an active adapter that cannot be loaded.
     pub fn new(engine: Engine, cfg: ServerConfig) -> crate::Result<Arc<Self>> {
-        let store = Store::open(&cfg.db)?;
-        let active = match store.active_adapter()? {
-            Some(rec) => {
-                let a = Adapter::load(std::path::Path::new(&rec.path))?;
-                engine.set_adapter(Some((rec.id, Arc::new(a))))?;
-                Some(rec.id)
+        let mut store = Store::open(&cfg.db)?;
+        // what a crash left half-written: `writing` rows and temporary adapter folders
+        let unfinished = store.reject_unfinished_adapters()?;
+        let stale = crate::adapter::remove_stale_temp_dirs(&cfg.db);
+        if !unfinished.is_empty() || stale > 0 {
+            tracing::warn!(
+                "a crash left adapters half-written: versions {unfinished:?} marked rejected, {stale} temporary folders removed"
+            );
+        }
+        // the active adapter, or, when it does not load or fit the model, the previous good one
+        let active = loop {
+            let Some(rec) = store.active_adapter()? else {
+                break None;
+            };
+            let loaded = Adapter::load(std::path::Path::new(&rec.path))
+                .and_then(|a| engine.set_adapter(Some((rec.id, Arc::new(a)))));
+            match loaded {
+                Ok(()) => break Some(rec.id),
+                Err(e) => {
+                    tracing::warn!(
+                        "active adapter {} cannot be served ({e}); falling back to the previous one",
+                        rec.id
+                    );
+                    store.rollback_adapter()?;
+                    let why = json!({"error": format!("cannot be served: {e}")});
+                    store.set_adapter_status(rec.id, "rejected", Some(&why))?;
+                }
             }
-            None => None,
         };
         Ok(Arc::new(AppState {
             engine,
@@ -165,6 +198,7 @@ impl AppState {
             queue: Arc::new(Semaphore::new(cfg.queue.max(1))),
             cfg,
             sessions: Mutex::new(HashMap::new()),
+            busy: Mutex::new(std::collections::HashSet::new()),
             metrics: Metrics::default(),
             active: Mutex::new(active),
             last_update: Mutex::new(json!({})),
@@ -175,6 +209,81 @@ impl AppState {
     fn store(&self) -> std::sync::MutexGuard<'_, Store> {
         self.store.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, LiveSession>> {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps `live` in memory under `id`, then drops what is idle for too long and, over the
+    /// cap, the least recently used: their engine contexts are closed, their logs stay, and a
+    /// later request with their id restores them from the store.
+    fn keep_live(&self, id: String, live: LiveSession) {
+        let mut map = self.live();
+        map.insert(id, live);
+        let now = Instant::now();
+        let busy = self.busy.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut dropped: Vec<(String, i64)> = map
+            .iter()
+            .filter(|(k, l)| {
+                now.duration_since(l.last_used) > self.cfg.session_idle && !busy.contains(*k)
+            })
+            .map(|(k, l)| (k.clone(), l.store_id))
+            .collect();
+        for (k, _) in &dropped {
+            map.remove(k);
+        }
+        while map.len() > self.cfg.max_live_sessions {
+            let Some((k, sid)) = map
+                .iter()
+                .filter(|(k, _)| !busy.contains(*k))
+                .min_by_key(|(_, l)| l.last_used)
+                .map(|(k, l)| (k.clone(), l.store_id))
+            else {
+                break;
+            };
+            map.remove(&k);
+            dropped.push((k, sid));
+        }
+        drop(map);
+        for (_, sid) in dropped {
+            self.engine.close(sid as u64);
+        }
+    }
+}
+
+/// Marks a client session as generating; cleared when dropped (the job's end, whatever it is).
+struct BusyGuard {
+    st: Arc<AppState>,
+    id: String,
+}
+
+impl BusyGuard {
+    /// `None` when the session already has a generation in flight.
+    fn take(st: &Arc<AppState>, id: &str) -> Option<BusyGuard> {
+        let mut busy = st.busy.lock().unwrap_or_else(|p| p.into_inner());
+        busy.insert(id.to_string()).then(|| BusyGuard {
+            st: st.clone(),
+            id: id.to_string(),
+        })
+    }
+}
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        self.st
+            .busy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+    }
+}
+
+fn conflict(id: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::CONFLICT,
+        "conflict_error",
+        format!("session {id} has a reply in progress; send the next request after it"),
+    )
 }
 
 /// The router with every route and the optional bearer-token check.
@@ -187,7 +296,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/adapters", get(adapters))
         .route("/v1/adapters/{id}/activate", post(activate))
         .route("/v1/adapters/rollback", post(rollback))
-        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found_error", "no such route")
@@ -219,15 +328,37 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
 }
 
 async fn read_json<T: serde::de::DeserializeOwned>(st: &AppState, body: Body) -> ApiResult<T> {
-    let bytes: Bytes = axum::body::to_bytes(body, st.cfg.max_body)
+    use tokio_stream::StreamExt as _;
+    let max = st.cfg.max_body;
+    let read = async {
+        let mut stream = body.into_data_stream();
+        let mut bytes: Vec<u8> = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk: Bytes = chunk
+                .map_err(|e| ApiError::bad(format!("the request body could not be read: {e}")))?;
+            if bytes.len() + chunk.len() > max {
+                return Err(ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "invalid_request_error",
+                    format!("request body over {max} bytes"),
+                ));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(bytes)
+    };
+    let bytes = tokio::time::timeout(st.cfg.body_timeout, read)
         .await
         .map_err(|_| {
             ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
+                StatusCode::REQUEST_TIMEOUT,
                 "invalid_request_error",
-                format!("request body over {} bytes", st.cfg.max_body),
+                format!(
+                    "the request body did not arrive within {} s",
+                    st.cfg.body_timeout.as_secs()
+                ),
             )
-        })?;
+        })??;
     serde_json::from_slice(&bytes).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))
 }
 
@@ -247,14 +378,21 @@ fn sampler(req: &ChatRequest, limit: usize) -> ApiResult<SamplerParams> {
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) => a
             .iter()
-            .filter_map(|x| x.as_str().map(str::to_string))
-            .collect(),
+            .map(|x| x.as_str().map(str::to_string))
+            .collect::<Option<Vec<String>>>()
+            .ok_or_else(|| ApiError::bad("stop must be a string or an array of strings"))?,
         Some(_) => {
             return Err(ApiError::bad(
                 "stop must be a string or an array of strings",
             ))
         }
     };
+    let (most, longest) = MAX_STOP;
+    if stop.len() > most || stop.iter().any(|s| s.is_empty() || s.len() > longest) {
+        return Err(ApiError::bad(format!(
+            "stop takes at most {most} strings of 1 to {longest} bytes"
+        )));
+    }
     let d = SamplerParams::default();
     let p = SamplerParams {
         temperature: req.temperature.unwrap_or(d.temperature),
@@ -285,22 +423,10 @@ fn rand_seed() -> u64 {
 /// Resolves the session a request continues and the messages it adds.
 fn route_session(
     st: &AppState,
-    client_id: Option<String>,
+    id: String,
     msgs: Vec<Message>,
 ) -> ApiResult<(String, LiveSession, Vec<Message>)> {
-    let id = client_id.unwrap_or_else(|| {
-        format!(
-            "s{}-{}",
-            rand_seed() % 1_000_000_007,
-            st.next_id.fetch_add(1, Ordering::Relaxed)
-        )
-    });
-    let known = st
-        .sessions
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(&id)
-        .cloned();
+    let known = st.live().get(&id).cloned();
     let known = match known {
         Some(k) => Some(k),
         None => restore(st, &id)?,
@@ -323,6 +449,7 @@ fn route_session(
         LiveSession {
             store_id,
             messages: Vec::new(),
+            last_used: Instant::now(),
         },
         msgs,
     ))
@@ -356,6 +483,7 @@ fn restore(st: &AppState, client_id: &str) -> ApiResult<Option<LiveSession>> {
     Ok(Some(LiveSession {
         store_id: sid,
         messages,
+        last_used: Instant::now(),
     }))
 }
 
@@ -398,6 +526,16 @@ async fn chat_completions(
             "the generation queue is full; retry shortly",
         )
     })?;
+    // one generation at a time per session: a second request on it, or on a new session id
+    // being created, is answered 409 instead of interleaving into one context
+    let client_id = client_id.unwrap_or_else(|| {
+        format!(
+            "s{}-{}",
+            rand_seed() % 1_000_000_007,
+            st.next_id.fetch_add(1, Ordering::Relaxed)
+        )
+    });
+    let busy = BusyGuard::take(&st, &client_id).ok_or_else(|| conflict(&client_id))?;
     let (client_id, live, new_msgs) = route_session(&st, client_id, msgs)?;
     let model = st.engine.info().name.clone();
     let created = std::time::SystemTime::now()
@@ -411,6 +549,7 @@ async fn chat_completions(
     // generation + commit run to completion even if the client goes away
     let job = tokio::spawn(async move {
         let _permit = permit;
+        let _busy = busy;
         let g = st2
             .engine
             .generate_async(
@@ -421,17 +560,23 @@ async fn chat_completions(
             )
             .await?;
         let info = st2.engine.info();
-        st2.store()
-            .append_turns(live2.store_id, &turns_from_generation(&g, &p2, info))?;
+        let committed = st2
+            .store()
+            .append_turns(live2.store_id, &turns_from_generation(&g, &p2, info));
+        if let Err(e) = committed {
+            // the engine's context is ahead of the log: drop it, so that the next request on
+            // this session starts again from what the log holds
+            st2.live().remove(&client2);
+            st2.engine.close(live2.store_id as u64);
+            return Err(e);
+        }
         let mut live3 = live2.clone();
         live3.messages.extend(new_msgs);
         live3
             .messages
             .push(Message::new(Role::Assistant, g.reply.visible.clone()));
-        st2.sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(client2, live3);
+        live3.last_used = Instant::now();
+        st2.keep_live(client2, live3);
         let n = g.reply.tokens.len() as u64;
         st2.metrics
             .completion_tokens
@@ -527,12 +672,7 @@ async fn chat_completions(
 }
 
 fn live_session(st: &AppState, id: &str) -> ApiResult<i64> {
-    if let Some(l) = st
-        .sessions
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(id)
-    {
+    if let Some(l) = st.live().get(id) {
         return Ok(l.store_id);
     }
     st.store()
@@ -561,7 +701,18 @@ async fn feedback(
             _ => return Err(ApiError::bad("thumb must be \"up\" or \"down\"")),
         };
         let turn = match req.turn {
-            Some(t) => Some(t),
+            Some(t) => {
+                let ok = store
+                    .turns(sid)?
+                    .iter()
+                    .any(|x| x.idx == t && x.role == Role::Assistant);
+                if !ok {
+                    return Err(ApiError::bad(format!(
+                        "turn {t} is not an assistant turn of session {id}"
+                    )));
+                }
+                Some(t)
+            }
             None => store
                 .turns(sid)?
                 .iter()
@@ -602,16 +753,15 @@ async fn end_session(
     State(st): State<Arc<AppState>>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Value>> {
+    // ending while a reply is being written would let the finishing job re-open the session
+    let _busy = BusyGuard::take(&st, &id).ok_or_else(|| conflict(&id))?;
     let sid = live_session(&st, &id)?;
     let has_feedback = {
         let store = st.store();
         store.end_session(sid)?;
         !store.feedback(sid)?.is_empty()
     };
-    st.sessions
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&id);
+    st.live().remove(&id);
     st.engine.close(sid as u64);
     if has_feedback {
         st.metrics
@@ -628,7 +778,14 @@ async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
 }
 
 async fn adapters(State(st): State<Arc<AppState>>) -> ApiResult<Json<Value>> {
-    let list = st.store().adapters()?;
+    let mut list =
+        serde_json::to_value(st.store().adapters()?).map_err(|e| ApiError::from(Error::from(e)))?;
+    // where adapters live on disk is the server's business, not the client's
+    if let Some(rows) = list.as_array_mut() {
+        for r in rows.iter_mut().filter_map(Value::as_object_mut) {
+            r.remove("path");
+        }
+    }
     Ok(Json(
         json!({"object": "list", "data": list, "active": *st.active.lock().unwrap_or_else(|p| p.into_inner())}),
     ))
@@ -652,11 +809,30 @@ fn switch_to(st: &AppState, id: Option<i64>) -> crate::Result<()> {
 
 async fn activate(State(st): State<Arc<AppState>>, Path(id): Path<i64>) -> ApiResult<Json<Value>> {
     let rec = st.store().adapter(id)?;
-    Adapter::load(std::path::Path::new(&rec.path))
+    let adapter = Adapter::load(std::path::Path::new(&rec.path))
         .map_err(|e| ApiError::bad(format!("adapter {id} is not loadable: {e}")))?;
-    st.store().activate_adapter(id)?;
-    tokio::task::block_in_place(|| switch_to(&st, Some(id)))?;
+    let previous = *st.active.lock().unwrap_or_else(|p| p.into_inner());
+    // the engine checks the adapter against the model first; only then is it written active
+    tokio::task::block_in_place(|| st.engine.set_adapter(Some((id, Arc::new(adapter)))))
+        .map_err(|e| ApiError::bad(format!("adapter {id} does not fit the model: {e}")))?;
+    if let Err(e) = st.store().activate_adapter(id) {
+        tokio::task::block_in_place(|| switch_to(&st, previous))?;
+        return Err(e.into());
+    }
+    *st.active.lock().unwrap_or_else(|p| p.into_inner()) = Some(id);
     Ok(Json(json!({"active": id})))
+}
+
+async fn healthz(State(st): State<Arc<AppState>>) -> Response {
+    if st.engine.is_alive() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "engine thread has stopped"})),
+        )
+            .into_response()
+    }
 }
 
 async fn rollback(State(st): State<Arc<AppState>>) -> ApiResult<Json<Value>> {
@@ -722,6 +898,12 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         sessions as f64,
     );
     line("turnwise_turns", "gauge", "turns in the log", turns as f64);
+    line(
+        "turnwise_live_sessions",
+        "gauge",
+        "conversations held in memory",
+        st.live().len() as f64,
+    );
     line(
         "turnwise_updates_total",
         "counter",
@@ -789,8 +971,9 @@ pub async fn learner(st: Arc<AppState>, head: Arc<OutputHead>) {
 /// # Errors
 /// Update or store errors (the active adapter is unchanged then).
 pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
+    // the learner's own connection: handlers keep reading and writing the log meanwhile (WAL)
+    let mut store = Store::open(&st.cfg.db)?;
     let parent = {
-        let store = st.store();
         match store.active_adapter()? {
             Some(rec) => Some((
                 rec.id,
@@ -808,7 +991,6 @@ pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
         limit: 200,
     };
     let report = {
-        let mut store = st.store();
         run_update(
             &mut store,
             &st.cfg.db,
@@ -833,7 +1015,6 @@ pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
     let cand = Adapter::load(&crate::adapter::adapter_dir(&st.cfg.db, id))?;
     let (mut v_new, mut v_old, mut n) = (0.0, 0.0, 0usize);
     {
-        let store = st.store();
         for s in store.training_sessions(Some(Source::Live), None, false, 50)? {
             for t in store
                 .turns(s.id)?
@@ -852,16 +1033,19 @@ pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
     let (v_new, v_old) = (v_new / n.max(1) as f64, v_old / n.max(1) as f64);
     let pass = kl.is_finite() && kl <= st.cfg.gate_kl && v_new >= v_old - 0.02;
     let gate = json!({"gate": {"kl": kl, "kl_bound": st.cfg.gate_kl, "value_new": v_new, "value_old": v_old, "passed": pass}});
-    let mut store = st.store();
     let mut metrics = report.diagnostics.clone();
     if let (Some(m), Some(g)) = (metrics.as_object_mut(), gate.as_object()) {
         m.extend(g.clone());
     }
     if pass {
         store.set_adapter_status(id, "candidate", Some(&metrics))?;
-        store.activate_adapter(id)?;
-        drop(store);
-        switch_to(st, Some(id))?;
+        // checked by the engine before it is written active
+        st.engine.set_adapter(Some((id, Arc::new(cand))))?;
+        if let Err(e) = store.activate_adapter(id) {
+            switch_to(st, parent.as_ref().map(|p| p.0))?;
+            return Err(e);
+        }
+        *st.active.lock().unwrap_or_else(|p| p.into_inner()) = Some(id);
         Ok(format!(
             "adapter {id} passed the gate and is active ({gate})"
         ))

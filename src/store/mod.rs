@@ -920,6 +920,27 @@ impl Store {
         Ok(id)
     }
 
+    /// Marks adapter versions still `writing` as `rejected` (a process died while writing
+    /// them) and returns their ids. Call it at start-up, before this process writes any.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn reject_unfinished_adapters(&self) -> Result<Vec<i64>> {
+        let mut st = self
+            .conn
+            .prepare("SELECT id FROM adapters WHERE status = 'writing' ORDER BY id")?;
+        let ids: Vec<i64> = st
+            .query_map([], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        self.conn.execute(
+            "UPDATE adapters SET status = 'rejected',
+                 metrics = json_set(metrics, '$.error', 'interrupted while writing')
+             WHERE status = 'writing'",
+            [],
+        )?;
+        Ok(ids)
+    }
+
     /// Sets an adapter's status and metrics (e.g. `candidate` once fully written).
     ///
     /// # Errors
