@@ -624,6 +624,19 @@ fn one_reply_at_a_time_per_session_and_bounded_conversations() {
         4,
         "two user turns, two replies"
     );
+
+    // a body that cannot fit the context window is refused before anything is rendered:
+    // thousands of short messages (each re-rendering the whole conversation before the fix),
+    // and one message longer than the window can hold whatever its tokens
+    let many: Vec<Value> = (0..5000)
+        .map(|_| json!({"role": "user", "content": "hi"}))
+        .collect();
+    let huge = vec![json!({"role": "user", "content": "a".repeat(900_000)})];
+    for messages in [many, huge] {
+        let (s, b) = chat(&a, json!({"messages": messages, "max_tokens": 4}));
+        assert_eq!(s, 400, "{b}");
+        assert!(b.to_string().contains("context window"), "{b}");
+    }
 }
 
 /// Start-up after a crash: an active adapter that cannot be served (a damaged file) gives way to
@@ -679,4 +692,153 @@ fn the_server_starts_on_the_previous_adapter_when_the_active_one_is_damaged() {
     assert_eq!(store.adapter(ids[1]).unwrap().status, "rejected");
     assert_eq!(store.adapter(writing).unwrap().status, "rejected");
     assert!(!tmp.exists(), "the dead process's temporary folder is gone");
+}
+
+/// Connections are bounded and must send their headers in time: with room for two, a third is
+/// closed at once; two that send nothing are disconnected after the header deadline, and the
+/// server then answers again.
+#[test]
+fn idle_connections_are_capped_and_timed_out() {
+    let dir = tempdir();
+    let db = dir.path().join("conns.db");
+    let srv = Server::start(
+        &db,
+        &[
+            "--no-learn",
+            "--max-connections",
+            "2",
+            "--header-timeout-s",
+            "1",
+        ],
+    );
+    let a = srv.addr.clone();
+    let idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(&a).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut third = TcpStream::connect(&a).unwrap();
+    third
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    assert!(
+        matches!(third.read(&mut buf), Ok(0)),
+        "a connection over the cap is closed at once"
+    );
+    // the idle two are closed by the header deadline
+    for mut s in idle {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut raw = Vec::new();
+        let _ = s.read_to_end(&mut raw);
+        assert!(
+            !String::from_utf8_lossy(&raw).contains("200 OK"),
+            "an idle connection gets no answer"
+        );
+    }
+    let (s, b) = http(&a, "GET", "/healthz", &[], b"");
+    assert_eq!(s, 200, "{b}");
+}
+
+/// Fault cycles on one database: each cycle starts the server, gets one reply acknowledged,
+/// then kills the server with SIGKILL in one of three places — in the middle of a streamed
+/// reply, while a background update may be writing its adapter, or right after an activation
+/// request — and checks that every reply acknowledged so far is in the log, that SQLite's
+/// integrity check passes and that the active adapter loads; at the end the server starts.
+/// `TURNWISE_FAULT_CYCLES` sets the number of cycles (default 3: one of each).
+#[test]
+fn fault_cycles_lose_no_acknowledged_turn() {
+    let cycles: usize = std::env::var("TURNWISE_FAULT_CYCLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let dir = tempdir();
+    let db = dir.path().join("cycles.db");
+    let args = ["--learn-every", "1", "--gate-kl", "10"];
+    let mut acknowledged: Vec<(String, String)> = Vec::new();
+    let (mut lost, mut unloadable) = (0usize, 0usize);
+    for cycle in 0..cycles {
+        let srv = Server::start(&db, &args);
+        let a = srv.addr.clone();
+        let id = format!("c{cycle}");
+        let (s, r) = chat(
+            &a,
+            json!({"messages": [{"role": "user", "content": format!("Where is order {}?", 10_000 + cycle)}],
+                   "max_tokens": 8, "session_id": id, "seed": cycle}),
+        );
+        assert_eq!(s, 200, "{r}");
+        let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+        acknowledged.push((id.clone(), text.to_string()));
+        match cycle % 3 {
+            0 => {
+                let mut sock = TcpStream::connect(&a).unwrap();
+                let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}],
+                                  "max_tokens": 300, "stream": true, "session_id": format!("s{cycle}")})
+                .to_string();
+                write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
+                let mut buf = [0u8; 512];
+                let _ = sock.read(&mut buf).unwrap();
+            }
+            1 => {
+                let path = format!("/v1/sessions/{id}/feedback");
+                http(&a, "POST", &path, &[], br#"{"outcome": 1}"#);
+                http(&a, "POST", &format!("/v1/sessions/{id}/end"), &[], b"");
+                // somewhere in the update: loading, stepping, writing, registering
+                std::thread::sleep(Duration::from_millis(200 + 300 * (cycle as u64 % 7)));
+            }
+            _ => {
+                let candidate = Store::open(&db)
+                    .unwrap()
+                    .adapters()
+                    .unwrap()
+                    .into_iter()
+                    .find(|ad| ad.status == "candidate" || ad.status == "retired");
+                if let Some(ad) = candidate {
+                    let mut sock = TcpStream::connect(&a).unwrap();
+                    let path = format!("/v1/adapters/{}/activate", ad.id);
+                    write!(
+                        sock,
+                        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+                    )
+                    .unwrap();
+                    let mut buf = [0u8; 16];
+                    let _ = sock.read(&mut buf); // the first bytes of the answer, then kill
+                }
+            }
+        }
+        srv.kill();
+        let store = Store::open(&db).unwrap();
+        for (sid, text) in &acknowledged {
+            let found = store
+                .sessions(None, 10_000)
+                .unwrap()
+                .into_iter()
+                .filter(|s| s.metadata["client_session_id"] == sid.as_str())
+                .any(|s| {
+                    store
+                        .turns(s.id)
+                        .unwrap()
+                        .iter()
+                        .any(|t| t.text.trim_end() == text.trim_end())
+                });
+            lost += usize::from(!found);
+        }
+        let ok: String = store
+            .connection()
+            .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(ok, "ok", "cycle {cycle}");
+        if let Some(ad) = store.active_adapter().unwrap() {
+            unloadable +=
+                usize::from(turnwise::adapter::Adapter::load(Path::new(&ad.path)).is_err());
+        }
+    }
+    let srv = Server::start(&db, &["--no-learn"]);
+    let (s, _) = http(&srv.addr, "GET", "/healthz", &[], b"");
+    assert_eq!(s, 200);
+    let store = Store::open(&db).unwrap();
+    let adapters = store.adapters().unwrap().len();
+    eprintln!(
+        "fault cycles: {cycles}, acknowledged replies {}, lost {lost}, unloadable active adapters \
+         {unloadable}, adapters written {adapters}",
+        acknowledged.len()
+    );
+    assert_eq!((lost, unloadable), (0, 0));
 }

@@ -1,5 +1,5 @@
-//! The trainable state: a LoRA adapter on the output projection and a value head (stage 1 of
-//! ARCHITECTURE.md), their PEFT-style safetensors files, and their application at sampling time.
+//! The trainable state: a LoRA adapter on the output projection and a value head, their
+//! PEFT-style safetensors files, and their application at sampling time.
 //!
 //! `logits = W·h + (α/r)·B·(A·h)` with `A: [r, n_embd]`, `B: [n_vocab, r]`, where `h` is the
 //! hidden state exactly as the output matmul saw it (the stored feature). `V(s) = σ(w·h_s + b)`.

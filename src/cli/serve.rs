@@ -63,6 +63,12 @@ pub struct ServeArgs {
     /// Seconds a client may take to send a request body
     #[arg(long, default_value_t = 30)]
     body_timeout_s: u64,
+    /// Seconds a client may take to send a request's headers
+    #[arg(long, default_value_t = 10)]
+    header_timeout_s: u64,
+    /// Most connections open at once; one more is closed as soon as it is accepted
+    #[arg(long, default_value_t = 256)]
+    max_connections: usize,
 }
 
 /// Serves until killed.
@@ -103,7 +109,14 @@ pub fn run(args: ServeArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode
         use std::io::Write;
         std::io::stdout().flush()?;
         tokio::spawn(server::learner(state.clone(), head));
-        axum::serve(listener, server::router(state)).await?;
+        let head_timeout = std::time::Duration::from_secs(args.header_timeout_s.max(1));
+        server::serve(
+            listener,
+            server::router(state),
+            args.max_connections,
+            head_timeout,
+        )
+        .await?;
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(ExitCode::SUCCESS)

@@ -85,7 +85,7 @@ pub struct TrainArgs {
     /// Continue the parent adapter's AdamW moments (saved with each adapter this writes)
     #[arg(long)]
     keep_optimizer: bool,
-    /// Truncated importance sampling cap C (off when unset; ALGORITHMS.md uses 2)
+    /// Truncated importance sampling cap C (off when unset; docs/algorithms.md uses 2)
     #[arg(long)]
     tis: Option<f64>,
     /// Entropy-bonus coefficient

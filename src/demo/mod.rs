@@ -32,7 +32,7 @@ use crate::session::turns_from_generation;
 use crate::store::{NewSession, Source, Store};
 
 /// The base model is evaluated on the first this-many held-out scenarios only: it never writes an
-/// action (FINDINGS.md), and its rambling replies make each session the slowest of the run.
+/// action (docs/findings.md), and its rambling replies make each session the slowest of the run.
 pub const BASE_EVAL_SCENARIOS: usize = 20;
 
 /// With the validation gate, the update after a rejection trains on the sessions of up to this
@@ -101,7 +101,7 @@ pub struct DemoConfig {
     /// given, and what to do with a tool result stay the policy's decisions. (Measured with
     /// every number of the conversation allowed: the warm start then wrote the distractor in
     /// most messages that held one, `ACTION status 59` for "I paid 59 dollars for order 94615",
-    /// the choice FINDINGS.md measured the output-projection adapter cannot learn.)
+    /// the choice docs/findings.md measured the output-projection adapter cannot learn.)
     pub id_slot: bool,
     /// rollout batches and validation-gate sets hold every intent equally often
     /// ([`env::stratified`]) instead of drawing each scenario's intent at random

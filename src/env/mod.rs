@@ -3,7 +3,7 @@
 //! action syntax the agent uses, and the rewards.
 //!
 //! Action syntax (one line anywhere in the reply, case-insensitive, lenient about what surrounds
-//! it, because the default model's base rate for exact tool syntax is near zero — FINDINGS.md):
+//! it, because the default model's base rate for exact tool syntax is near zero — docs/findings.md):
 //!
 //! ```text
 //! ACTION status <order id>

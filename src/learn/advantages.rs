@@ -1,4 +1,4 @@
-//! Advantages (ALGORITHMS.md §1, §3): pure functions over plain arrays.
+//! Advantages (docs/algorithms.md §1, §3): pure functions over plain arrays.
 
 use std::collections::HashMap;
 use std::hash::Hash;

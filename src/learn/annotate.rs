@@ -1,4 +1,4 @@
-//! Step-level credit (ALGORITHMS.md §2): how much each assistant turn moved its session toward
+//! Step-level credit (docs/algorithms.md §2): how much each assistant turn moved its session toward
 //! success, written to `annotations` so that it is a queryable fact (`turn_credit` view) and the
 //! process signal of A²TGPO.
 //!
@@ -55,7 +55,7 @@ pub enum IgContext {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum IgPolicy {
-    /// the base model, adapter off (this project's reading of ALGORITHMS.md's "frozen
+    /// the base model, adapter off (this project's reading of docs/algorithms.md's "frozen
     /// policy")
     Frozen,
     /// the policy with the engine's current adapter — in the demo the active adapter that

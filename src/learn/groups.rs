@@ -1,4 +1,4 @@
-//! Group keys for live traffic (ALGORITHMS.md §7): live sessions are not repeated rollouts of
+//! Group keys for live traffic (docs/algorithms.md §7): live sessions are not repeated rollouts of
 //! one prompt, so comparable sessions are found by clustering their opening states — the
 //! policy's own hidden state after the first user message — with leader clustering on cosine
 //! similarity. Clusters persist in the store, so a key means the same thing across updates.

@@ -1,4 +1,4 @@
-//! The policy objective (ALGORITHMS.md §4–§6, §8) as one kernel with switches, and the
+//! The policy objective (docs/algorithms.md §4–§6, §8) as one kernel with switches, and the
 //! output-LoRA forward/backward that turns per-token gradients into adapter gradients.
 //!
 //! The surrogate works on per-token log-probs and returns the loss and `∂loss/∂logπθ` per token;

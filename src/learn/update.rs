@@ -132,7 +132,7 @@ pub struct TrainConfig {
     pub keep_optimizer: bool,
     /// the reference of the KL term (`objective.kl_coef`): this stored adapter (e.g. the warm
     /// start, so that RL stays near what the demonstrations taught on every token the reward
-    /// does not explain); None: the base policy, adapter off (ALGORITHMS.md §8)
+    /// does not explain); None: the base policy, adapter off (docs/algorithms.md §8)
     #[serde(default)]
     pub kl_ref_adapter: Option<i64>,
     /// RL updates give digit tokens no policy gradient (they stay in their turn's ratio and
@@ -246,7 +246,7 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The preset of `algo` with the defaults of ALGORITHMS.md.
+    /// The preset of `algo` with the defaults of docs/algorithms.md.
     pub fn preset(algo: Algo) -> Self {
         let (granularity, clip, eps_low, eps_high, aggregation) = match algo {
             Algo::A2tgpo => (
@@ -361,7 +361,7 @@ pub struct UpdateReport {
     pub update_id: i64,
     /// the candidate adapter written (None when rejected)
     pub adapter_id: Option<i64>,
-    /// every diagnostic of ALGORITHMS.md §9 that applies
+    /// every diagnostic of docs/algorithms.md §9 that applies
     pub diagnostics: serde_json::Value,
 }
 

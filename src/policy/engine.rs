@@ -74,6 +74,9 @@ pub struct ModelInfo {
     pub template: String,
     /// how hidden states are stored (see [`FeatureDtype`])
     pub feature_dtype: FeatureDtype,
+    /// the longest piece of text one token stands for, in bytes: a text of `b` bytes takes at
+    /// least `b / max_piece_bytes` tokens (a context check before any tokenising)
+    pub max_piece_bytes: usize,
 }
 
 /// Why a reply ended.
@@ -542,7 +545,7 @@ impl Worker {
         let turn_end = super::conversation::turn_end_token(&model, &template)?;
         let assistant_opening =
             super::conversation::assistant_opening(&model, &template, turn_end)?;
-        let info = ModelInfo {
+        let mut info = ModelInfo {
             path: cfg.model.clone(),
             name: model
                 .meta("general.name")
@@ -553,6 +556,7 @@ impl Worker {
             n_threads: cfg.n_threads,
             template,
             feature_dtype: FeatureDtype::for_activation(act_type),
+            max_piece_bytes: 1,
         };
         tracing::info!(model = %info.name, n_ctx = info.n_ctx, "policy engine ready");
         let eog = (0..model.n_vocab() as Token)
@@ -561,7 +565,9 @@ impl Worker {
         let mut digits = Vec::with_capacity(model.n_vocab());
         let mut digit_pieces = Vec::new();
         for t in 0..model.n_vocab() as Token {
-            let piece = String::from_utf8_lossy(&model.piece(t, false)).into_owned();
+            let bytes = model.piece(t, false);
+            info.max_piece_bytes = info.max_piece_bytes.max(bytes.len());
+            let piece = String::from_utf8_lossy(&bytes).into_owned();
             digits.push(is_digit_piece(&piece));
             if piece.bytes().any(|b| b.is_ascii_digit()) && !model.is_eog(t) {
                 digit_pieces.push((t as usize, piece));

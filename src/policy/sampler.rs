@@ -119,7 +119,7 @@ pub fn numbers_in(text: &str) -> Vec<String> {
 
 /// Where the behaviour distribution of one sampled token put its mass, relative to the
 /// tempered softmax over the whole vocabulary: what the learner needs to recompute the
-/// behaviour log-prob from the logits alone (ALGORITHMS.md §6). Stored per token with the
+/// behaviour log-prob from the logits alone (docs/algorithms.md §6). Stored per token with the
 /// turn; `Support::default()` (nothing kept, dropped or truncated) is the whole tempered softmax.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Support {

@@ -305,6 +305,48 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// Serves `app` on `listener` until the process ends: at most `max_connections` connections
+/// at once (one more is closed as soon as it is accepted) and each request head must arrive
+/// within `head_timeout` (a client that opens a connection and sends nothing, or sends its
+/// headers a byte at a time, is disconnected instead of holding a slot).
+///
+/// # Errors
+/// None in practice: a failed accept is logged and serving goes on.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    max_connections: usize,
+    head_timeout: Duration,
+) -> std::io::Result<()> {
+    let slots = Arc::new(Semaphore::new(max_connections.max(1)));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // e.g. out of file descriptors: wait a little instead of spinning
+                tracing::warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let _slot = slot;
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(head_timeout);
+            let io = hyper_util::rt::TokioIo::new(stream);
+            if let Err(e) = http.serve_connection(io, service).await {
+                tracing::debug!("connection ended: {e}");
+            }
+        });
+    }
+}
+
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     st.metrics.requests.fetch_add(1, Ordering::Relaxed);
     if let Some(key) = &st.cfg.api_key {
@@ -501,6 +543,19 @@ async fn chat_completions(
         let role = Role::parse(&m.role)
             .map_err(|_| ApiError::bad(format!("messages[{i}]: unknown role {:?}", m.role)))?;
         msgs.push(Message::new(role, content_text(&m.content)?));
+    }
+    // the context budget, before anything is rendered or tokenised: every message takes its
+    // template's markers (at least two tokens) and its text at least bytes / longest piece
+    let info = st.engine.info();
+    let least: usize = msgs
+        .iter()
+        .map(|m| 2 + m.content.len() / info.max_piece_bytes.max(1))
+        .sum();
+    if least > info.n_ctx {
+        return Err(ApiError::bad(format!(
+            "the messages need at least {least} tokens; the context window holds {}",
+            info.n_ctx
+        )));
     }
     if !matches!(msgs.last().map(|m| m.role), Some(Role::User | Role::Tool)) {
         return Err(ApiError::bad(
