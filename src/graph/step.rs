@@ -327,21 +327,32 @@ mod tests {
     };
     use crate::policy::sampler::Rng;
 
+    /// Base logits `[t, v]` (uniform in ±`base_scale`), features `[t, d]` (±1) and a LoRA
+    /// `A [r, d]`, `B [v, r]` (±0.3), from a seeded stream.
+    #[allow(clippy::type_complexity)]
+    fn random_problem(
+        (t, v, d, r): (usize, usize, usize, usize),
+        seed: u64,
+        base_scale: f64,
+    ) -> (Array2<f64>, Array2<f64>, Array2<f64>, Array2<f64>) {
+        let mut rng = Rng::new(seed);
+        let mut rnd = |shape: (usize, usize), s: f64| {
+            Array2::from_shape_simple_fn(shape, || (rng.next_f64() * 2.0 - 1.0) * s)
+        };
+        (
+            rnd((t, v), base_scale),
+            rnd((t, d), 1.0),
+            rnd((r, d), 0.3),
+            rnd((v, r), 0.3),
+        )
+    }
+
     /// The ORT step (f32) against the Rust reference in f64 — itself checked against finite
     /// differences — for every ratio granularity, clip mode and the KL term.
     #[test]
     fn step_graph_matches_the_reference_gradient() {
         let (t, v, d, r) = (7, 40, 16, 4);
-        let mut rng = Rng::new(8);
-        let mut rnd = |n: usize, s: f64| {
-            (0..n)
-                .map(|_| (rng.next_f64() * 2.0 - 1.0) * s)
-                .collect::<Vec<f64>>()
-        };
-        let base = Array2::from_shape_vec((t, v), rnd(t * v, 3.0)).unwrap();
-        let h = Array2::from_shape_vec((t, d), rnd(t * d, 1.0)).unwrap();
-        let a = Array2::from_shape_vec((r, d), rnd(r * d, 0.3)).unwrap();
-        let b = Array2::from_shape_vec((v, r), rnd(v * r, 0.3)).unwrap();
+        let (base, h, a, b) = random_problem((t, v, d, r), 8, 3.0);
         let tokens = vec![3, 17, 0, 39, 8, 8, 21];
         let scale = 2.0;
         let (_, old, _, _) = lora_loss_and_grad(
@@ -531,23 +542,13 @@ mod tests {
         );
     }
 
-    /// The ORT step's (loss, logp, ∂A, ∂B) against the f64 reference, to 2e-4 relative.
     /// The clamp of log s at 10 cuts the gradient on both engines: on stale data a token with
     /// log-ratio 12 and a negative advantage is on the unclipped side of the min, and before
     /// the fix the Rust reference still returned its e^10-sized gradient while the graph gave 0.
     #[test]
     fn clamped_ratio_has_no_gradient_on_either_engine() {
-        let (t, v, d, r) = (6, 24, 8, 2);
-        let mut rng = Rng::new(3);
-        let mut rnd = |n: usize, s: f64| {
-            (0..n)
-                .map(|_| (rng.next_f64() * 2.0 - 1.0) * s)
-                .collect::<Vec<f64>>()
-        };
-        let base = Array2::from_shape_vec((t, v), rnd(t * v, 2.0)).unwrap();
-        let h = Array2::from_shape_vec((t, d), rnd(t * d, 1.0)).unwrap();
-        let a = Array2::from_shape_vec((r, d), rnd(r * d, 0.3)).unwrap();
-        let b = Array2::from_shape_vec((v, r), rnd(v * r, 0.3)).unwrap();
+        let t = 6;
+        let (base, h, a, b) = random_problem((t, 24, 8, 2), 3, 2.0);
         let tokens = vec![1, 5, 9, 13, 17, 21];
         let (_, lp, _, _) = lora_loss_and_grad(
             base.view(),
@@ -653,6 +654,7 @@ mod tests {
         );
     }
 
+    /// The ORT step's (loss, logp, ∂A, ∂B) against the f64 reference, to 2e-4 relative.
     fn assert_step_matches(
         what: &str,
         (loss, lp, da, db): StepOutput,
