@@ -80,6 +80,28 @@ fn without_times(v: &serde_json::Value) -> serde_json::Value {
     }
 }
 
+/// The JSON paths where `a` and `b` differ, with both values.
+fn differences(a: &serde_json::Value, b: &serde_json::Value, at: &str, out: &mut Vec<String>) {
+    use serde_json::Value::{Array, Object};
+    match (a, b) {
+        (Object(x), Object(y)) => {
+            for k in x.keys().chain(y.keys().filter(|k| !x.contains_key(*k))) {
+                let (u, v) = (&x.get(k).cloned(), &y.get(k).cloned());
+                let null = serde_json::Value::Null;
+                let (u, v) = (u.as_ref().unwrap_or(&null), v.as_ref().unwrap_or(&null));
+                differences(u, v, &format!("{at}.{k}"), out);
+            }
+        }
+        (Array(x), Array(y)) if x.len() == y.len() => {
+            for (i, (u, v)) in x.iter().zip(y).enumerate() {
+                differences(u, v, &format!("{at}[{i}]"), out);
+            }
+        }
+        _ if a != b => out.push(format!("{at}: {a} vs {b}")),
+        _ => {}
+    }
+}
+
 #[test]
 fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
     let (_dir, out, o, result) = quick_demo(&["--seed", "2", "--val", "0"]);
@@ -237,10 +259,9 @@ fn two_engines_log_every_session_and_reproduce_a_seeded_run() {
     // the whole result, updates included, apart from how long things took: the update reads its
     // batch in an order that does not depend on which engine logged a session first
     let (a, b) = (without_times(&first), without_times(&second));
-    if a != b {
-        let (ai, bi) = (&a["iterations"], &b["iterations"]);
-        panic!("two runs of one seed differ:\n{ai}\n{bi}");
-    }
+    let mut diff = Vec::new();
+    differences(&a, &b, "", &mut diff);
+    assert!(diff.is_empty(), "two runs of one seed differ at: {diff:?}");
     let store = Store::open(&out.join("turnwise.db")).unwrap();
     let conn = store.connection();
     let (sessions, ended, with_outcome): (i64, i64, i64) = conn

@@ -2,7 +2,7 @@
 //! old / reference log-probs from those features → advantages → epochs of minibatch steps
 //! (AdamW, gradient-norm clipping) → candidate adapter written atomically → `updates` row.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -1341,7 +1341,7 @@ pub fn run_update(
     for mb in &minibatches {
         let new = logprobs(&mb.base, &mb.hs, &mb.tokens, Some(&current));
         // turn entropy: per session, softmax over per-turn shares of the session's Σ lr
-        let mut per_seq: HashMap<usize, HashMap<usize, f64>> = HashMap::new();
+        let mut per_seq: BTreeMap<usize, BTreeMap<usize, f64>> = BTreeMap::new();
         for (k, (n, o)) in new.iter().zip(&mb.batch.logp_old).enumerate() {
             *per_seq
                 .entry(mb.batch.seq[k])
