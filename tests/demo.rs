@@ -49,7 +49,7 @@ fn quick_demo(args: &[&str]) -> (tempfile::TempDir, PathBuf, Output, serde_json:
     let out = dir.path().join("run");
     // the --db of the command line is not used: the run keeps its own log in its directory
     let o = turnwise(&dir.path().join("unused.db"))
-        .args(["demo", "--quick", "--gate-kl", "100", "--minutes", "60"])
+        .args(["demo", "--quick", "--gate-kl", "100"])
         .args(args)
         .arg("--out")
         .arg(&out)

@@ -25,7 +25,8 @@ pub struct DemoArgs {
     /// Seed of scenarios, sampling and the adapter
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Wall-time budget of the whole run, in minutes [default: 20; 5 with --quick]
+    /// A wall-time budget in minutes instead of an iteration count: as many RL iterations as
+    /// fit (the result then depends on the machine's speed) [default: none]
     #[arg(long)]
     minutes: Option<f64>,
     /// A small configuration that finishes in a couple of minutes (checks the plumbing)
@@ -34,7 +35,7 @@ pub struct DemoArgs {
     /// Run directory (turn log, adapters, report, plots) [default: demo-runs/<algo>-seed<seed>-<time>]
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Most RL iterations [default: as many as the budget allows]
+    /// RL iterations [default: 5, 2 with --quick; with --minutes: as many as fit]
     #[arg(long)]
     iterations: Option<usize>,
     /// Held-out scenarios per evaluation
@@ -193,10 +194,11 @@ impl DemoArgs {
         let mut c = if self.quick {
             DemoConfig::quick(self.algo, self.seed)
         } else {
-            DemoConfig::full(self.algo, self.seed, 20.0)
+            DemoConfig::full(self.algo, self.seed)
         };
         if let Some(m) = self.minutes {
-            c.minutes = m;
+            c.minutes = Some(m);
+            c.max_iterations = None;
         }
         macro_rules! set {
             ($($f:ident => $g:ident),*) => {$(if let Some(v) = self.$f { c.$g = v; })*};
@@ -255,7 +257,7 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     {
         anyhow::bail!("--demos, --scenarios, --group and --eval must be at least 1");
     }
-    if !(cfg.minutes.is_finite() && cfg.minutes > 0.0) {
+    if cfg.minutes.is_some_and(|m| !(m.is_finite() && m > 0.0)) {
         anyhow::bail!("--minutes must be a positive number of minutes");
     }
     if let Some((lo, hi)) = cfg.eps {
@@ -290,10 +292,11 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     eprintln!(
         "Turnwise demo: {algo}, seed {}, {} → run directory {}",
         cfg.seed,
-        if args.quick {
-            "quick configuration".to_string()
-        } else {
-            format!("{} minutes", cfg.minutes)
+        match (args.quick, cfg.minutes, cfg.max_iterations) {
+            (true, ..) => "quick configuration".to_string(),
+            (false, Some(m), None) => format!("as many RL iterations as fit in {m} minutes"),
+            (false, Some(m), Some(n)) => format!("{n} RL iterations, at most {m} minutes"),
+            (false, None, n) => format!("{} RL iterations", n.unwrap_or(0)),
         },
         out.display()
     );
@@ -375,6 +378,13 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         100.0 * hi,
         result.wall_s / 60.0
     );
+    println!("machine: {}", result.machine.line());
+    let phases: Vec<String> = result
+        .phase_seconds
+        .iter()
+        .map(|(p, t)| format!("{p} {:.1} min", t / 60.0))
+        .collect();
+    println!("time per phase: {}", phases.join(", "));
     for f in files {
         println!("  {}", f.display());
     }

@@ -59,9 +59,9 @@ pub struct DemoConfig {
     /// seed of scenarios, sampling and the fresh adapter
     pub seed: u64,
     /// wall-time budget of the whole run in minutes (the RL phase stops early enough to leave
-    /// time for the final evaluation)
-    pub minutes: f64,
-    /// most RL iterations (None: as many as the budget allows)
+    /// time for the final evaluation); None: no time limit, the iteration count decides
+    pub minutes: Option<f64>,
+    /// most RL iterations (None: as many as the time budget allows)
     pub max_iterations: Option<usize>,
     /// held-out scenarios per evaluation
     pub eval_scenarios: usize,
@@ -182,13 +182,14 @@ pub struct DemoConfig {
 }
 
 impl DemoConfig {
-    /// The full configuration (`turnwise demo`).
-    pub fn full(algo: Algo, seed: u64, minutes: f64) -> Self {
+    /// The full configuration (`turnwise demo`): [`DEFAULT_ITERATIONS`] RL iterations, no
+    /// time limit, so that a seed gives the same result on a slower or faster machine.
+    pub fn full(algo: Algo, seed: u64) -> Self {
         DemoConfig {
             algo,
             seed,
-            minutes,
-            max_iterations: None,
+            minutes: None,
+            max_iterations: Some(DEFAULT_ITERATIONS),
             eval_scenarios: 50,
             eval_base: true,
             demos: 40,
@@ -239,7 +240,7 @@ impl DemoConfig {
             max_tokens: 20,
             eval_every: 1,
             val_scenarios: 0,
-            ..DemoConfig::full(algo, seed, 5.0)
+            ..DemoConfig::full(algo, seed)
         }
     }
 }
@@ -314,6 +315,70 @@ pub struct Iteration {
     pub elapsed_s: f64,
 }
 
+/// The machine and settings a run's times belong to.
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    /// CPU model (`/proc/cpuinfo`), empty where unknown
+    pub cpu: String,
+    /// cores this process may use
+    pub cores: usize,
+    /// physical memory in GiB (0 where unknown)
+    pub memory_gib: f64,
+    /// llama.cpp engines that played sessions side by side
+    pub engines: usize,
+    /// llama.cpp threads of each engine
+    pub threads_per_engine: i32,
+    /// threads of the learner
+    pub train_threads: usize,
+    /// Turnwise's version
+    pub version: String,
+}
+
+impl Machine {
+    /// This machine, with the run's engines and learner threads.
+    pub fn this(engines: &[Engine], train_threads: usize) -> Self {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_default();
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let kib = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+        Machine {
+            cpu,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            memory_gib: (kib / (1024.0 * 1024.0) * 10.0).round() / 10.0,
+            engines: engines.len(),
+            threads_per_engine: engines.first().map_or(0, |e| e.info().n_threads),
+            train_threads,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        }
+    }
+
+    /// One line: `2 cores (AMD EPYC …), 23.4 GiB; 2 engines × 1 thread, learner 2 threads`.
+    pub fn line(&self) -> String {
+        let cpu = if self.cpu.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", self.cpu)
+        };
+        format!(
+            "{} cores{cpu}, {} GiB; {} engine(s) × {} thread(s), learner {} thread(s); turnwise {}",
+            self.cores,
+            self.memory_gib,
+            self.engines,
+            self.threads_per_engine,
+            self.train_threads,
+            self.version
+        )
+    }
+}
+
 /// Everything a run measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct DemoResult {
@@ -321,6 +386,8 @@ pub struct DemoResult {
     pub config: DemoConfig,
     /// the model
     pub model: String,
+    /// where the times were measured
+    pub machine: Machine,
     /// evaluations in order
     pub evals: Vec<Evaluation>,
     /// RL iterations
@@ -699,6 +766,11 @@ pub fn scripted_conversation(
     }
 }
 
+/// RL iterations of the default run: on a 2-core machine of the kind the results were measured
+/// on (`--threads 2`, two engines) warm start and evaluations take ~4 minutes and an iteration
+/// 3.5–5 minutes, ~25 minutes in all (docs/results.md).
+pub const DEFAULT_ITERATIONS: usize = 5;
+
 /// The run: owns the engine handle, the run's store and the measurements.
 pub struct Demo<'a> {
     /// the engines sessions are played and demonstrations rescored on; all hold the same
@@ -765,6 +837,7 @@ impl<'a> Demo<'a> {
             result: DemoResult {
                 config: cfg.clone(),
                 model: engines[0].info().name.clone(),
+                machine: Machine::this(engines, cfg.train_threads),
                 evals: Vec::new(),
                 iterations: Vec::new(),
                 warm_adapter: None,
@@ -1306,7 +1379,7 @@ impl<'a> Demo<'a> {
     /// # Errors
     /// Engine, store and update errors.
     pub fn run(mut self, progress: &mut dyn FnMut(Progress)) -> Result<DemoResult> {
-        let budget = self.cfg.minutes * 60.0;
+        let budget = self.cfg.minutes.map_or(f64::INFINITY, |m| m * 60.0);
         if self.cfg.eval_base {
             self.evaluate("base", progress)?;
         }

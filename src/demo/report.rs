@@ -207,6 +207,19 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
     let c = &r.config;
     let algo = format!("{:?}", c.algo).to_lowercase();
     let _ = writeln!(s, "# Turnwise demo: {algo}, seed {}\n", c.seed);
+    let budget = match (c.max_iterations, c.minutes) {
+        (Some(n), None) => format!("{n} RL iterations"),
+        (None, Some(m)) => format!("as many RL iterations as fit in {m} minutes"),
+        (Some(n), Some(m)) => format!("at most {n} RL iterations and {m} minutes"),
+        (None, None) => "no iteration limit".to_string(),
+    };
+    let _ = writeln!(
+        s,
+        "Budget: {budget} ({} run, {:.1} min). Machine: {}.\n",
+        r.iterations.len(),
+        r.wall_s / 60.0,
+        r.machine.line()
+    );
     let _ = writeln!(
         s,
         "Model `{}`; {} held-out scenarios (templates never used in training), greedy replies, at most {} agent replies of {} tokens. \
@@ -376,7 +389,7 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
             );
         }
     }
-    let _ = writeln!(s, "\n## Time\n");
+    let _ = writeln!(s, "\n## Time\n\nOn {}.\n", r.machine.line());
     for (p, t) in &r.phase_seconds {
         let _ = writeln!(s, "- {p}: {t:.0} s");
     }
