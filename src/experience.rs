@@ -22,13 +22,10 @@
 //! of the logged turn (so training sees exactly the context that was sampled from), and
 //! `experience_injections` records which entries it held.
 
-use rusqlite::{params, OptionalExtension};
-
 use crate::error::Result;
 use crate::learn::groups::{cosine, leader_assign};
 use crate::policy::Role;
 use crate::store::Store;
-use crate::store::{f32_blob, from_f32_blob};
 
 /// Where the injected text starts inside an observation message.
 pub const MARKER: &str = "\n\n[experience]";
@@ -125,33 +122,7 @@ pub fn observation(message: &str) -> &str {
     message.split(MARKER).next().unwrap_or(message)
 }
 
-/// One library entry.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Entry {
-    /// `experience_entries.id`
-    pub id: i64,
-    /// `strategy` or `warning`
-    pub kind: String,
-    /// the distilled step
-    pub text: String,
-    /// its score
-    pub score: f64,
-}
-
-/// A live entry as reports show it.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct EntryRow {
-    /// cluster id
-    pub cluster: i64,
-    /// `strategy` or `warning`
-    pub kind: String,
-    /// the distilled step
-    pub text: String,
-    /// the observation it followed
-    pub context: String,
-    /// its score
-    pub score: f64,
-}
+pub use crate::store::{ExperienceEntry as Entry, ExperienceRow as EntryRow};
 
 /// What is appended to one observation.
 #[derive(Debug, Clone, PartialEq)]
@@ -204,21 +175,7 @@ impl Library {
     /// # Errors
     /// SQLite errors.
     pub fn load(store: &Store, cfg: LibraryConfig) -> Result<Self> {
-        let mut st = store
-            .connection()
-            .prepare("SELECT id, prototype, members FROM experience_clusters ORDER BY id")?;
-        let rows = st.query_map([], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, Vec<u8>>(1)?,
-                r.get::<_, i64>(2)?,
-            ))
-        })?;
-        let mut clusters = Vec::new();
-        for r in rows {
-            let (id, b, n) = r?;
-            clusters.push((id, from_f32_blob(&b)?, n));
-        }
+        let clusters = store.experience_clusters()?;
         Ok(Library { cfg, clusters })
     }
 
@@ -236,22 +193,6 @@ impl Library {
             .map(|(id, _)| id)
     }
 
-    fn entries(store: &Store, cluster: i64, kind: &str) -> Result<Vec<Entry>> {
-        let mut st = store.connection().prepare(
-            "SELECT id, kind, text, score FROM experience_entries
-             WHERE cluster_id = ?1 AND kind = ?2 AND retired_at IS NULL ORDER BY score DESC, id",
-        )?;
-        let rows = st.query_map(params![cluster, kind], |r| {
-            Ok(Entry {
-                id: r.get(0)?,
-                kind: r.get(1)?,
-                text: r.get(2)?,
-                score: r.get(3)?,
-            })
-        })?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
-    }
-
     /// The injection for an observation: its cluster's top strategies and top warning, capped at
     /// `max_chars`; `None` when the observation matches no cluster or the cluster is empty.
     ///
@@ -261,8 +202,8 @@ impl Library {
         let Some(c) = self.nearest(&embed(observation)) else {
             return Ok(None);
         };
-        let strategies = Self::entries(store, c, "strategy")?;
-        let warnings = Self::entries(store, c, "warning")?;
+        let strategies = store.experience_entries(c, "strategy")?;
+        let warnings = store.experience_entries(c, "warning")?;
         let mut text = String::from(MARKER);
         let mut ids = Vec::new();
         let mut add = |prefix: &str, e: &Entry, text: &mut String| {
@@ -285,14 +226,8 @@ impl Library {
     ///
     /// # Errors
     /// SQLite errors.
-    pub fn record(store: &Store, turn_id: i64, injection: &Injection) -> Result<()> {
-        for e in &injection.entries {
-            store.connection().execute(
-                "INSERT OR IGNORE INTO experience_injections (turn_id, entry_id) VALUES (?1, ?2)",
-                params![turn_id, e],
-            )?;
-        }
-        Ok(())
+    pub fn record(store: &mut Store, turn_id: i64, injection: &Injection) -> Result<()> {
+        store.record_injection(turn_id, &injection.entries)
     }
 
     /// Candidates of finished sessions: every assistant turn with the observation before it.
@@ -349,96 +284,68 @@ impl Library {
             .collect();
         let known = protos.len();
         let idx = leader_assign(&mut protos, &points, self.cfg.threshold);
-        let tx = store
-            .connection_mut()
-            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-        let mut ids: Vec<i64> = self.clusters.iter().map(|c| c.0).collect();
-        for (k, (p, n)) in protos.iter().enumerate() {
-            if k < known {
-                tx.execute(
-                    "UPDATE experience_clusters SET prototype = ?2, members = ?3 WHERE id = ?1",
-                    params![ids[k], f32_blob(p), n],
-                )?;
-            } else {
-                tx.execute(
-                    "INSERT INTO experience_clusters (prototype, members) VALUES (?1, ?2)",
-                    params![f32_blob(p), n],
-                )?;
-                ids.push(tx.last_insert_rowid());
-            }
-        }
-        // strategies best first, then warnings worst first
-        let mut order: Vec<(usize, &'static str, f64)> = candidates
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                if c.success {
-                    (i, "strategy", c.reward)
+        let ids = store.evolve_experience(|w| {
+            let mut ids: Vec<i64> = self.clusters.iter().map(|c| c.0).collect();
+            for (k, (p, n)) in protos.iter().enumerate() {
+                if k < known {
+                    w.update_cluster(ids[k], p, *n)?;
                 } else {
-                    (i, "warning", 1.0 - c.reward)
+                    ids.push(w.insert_cluster(p, *n)?);
                 }
-            })
-            .collect();
-        order.sort_by(|a, b| {
-            (a.1 == "warning")
-                .cmp(&(b.1 == "warning"))
-                .then(b.2.total_cmp(&a.2))
-        });
-        for (i, kind, score) in order {
-            let c = &candidates[i];
-            let cluster = ids[idx[i]];
-            let text = mask(&c.text);
-            if text.is_empty() {
-                continue;
             }
-            let mut st = tx.prepare(
-                "SELECT id, text, score FROM experience_entries
-                 WHERE cluster_id = ?1 AND kind = ?2 AND retired_at IS NULL ORDER BY score, id",
-            )?;
-            let live: Vec<(i64, String, f64)> = st
-                .query_map(params![cluster, kind], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-                })?
-                .collect::<rusqlite::Result<_>>()?;
-            drop(st);
-            let e = embed(&text);
-            let dup = live.iter().find(|(_, t, _)| {
-                *t == text || cosine(&embed(t), &e) >= self.cfg.duplicate_similarity
+            // strategies best first, then warnings worst first
+            let mut order: Vec<(usize, &'static str, f64)> = candidates
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    if c.success {
+                        (i, "strategy", c.reward)
+                    } else {
+                        (i, "warning", 1.0 - c.reward)
+                    }
+                })
+                .collect();
+            order.sort_by(|a, b| {
+                (a.1 == "warning")
+                    .cmp(&(b.1 == "warning"))
+                    .then(b.2.total_cmp(&a.2))
             });
-            if let Some((id, _, _)) = dup {
-                tx.execute(
-                    "UPDATE experience_entries SET score = score + ?2,
-                     updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE id = ?1",
-                    params![id, 0.5 * score],
-                )?;
-                ev.raised += 1;
-                continue;
-            }
-            if ev.admitted >= self.cfg.per_update {
-                ev.refused += 1;
-                continue;
-            }
-            if live.len() >= self.cfg.capacity {
-                let (low_id, _, low) = &live[0];
-                if score <= *low {
+            for (i, kind, score) in order {
+                let c = &candidates[i];
+                let cluster = ids[idx[i]];
+                let text = mask(&c.text);
+                if text.is_empty() {
+                    continue;
+                }
+                let live = w.live_entries(cluster, kind)?;
+                let e = embed(&text);
+                let dup = live.iter().find(|l| {
+                    l.text == text || cosine(&embed(&l.text), &e) >= self.cfg.duplicate_similarity
+                });
+                if let Some(d) = dup {
+                    w.raise_entry(d.id, 0.5 * score)?;
+                    ev.raised += 1;
+                    continue;
+                }
+                if ev.admitted >= self.cfg.per_update {
                     ev.refused += 1;
                     continue;
                 }
-                tx.execute(
-                    "UPDATE experience_entries SET retired_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE id = ?1",
-                    [low_id],
-                )?;
-                ev.replaced += 1;
+                if live.len() >= self.cfg.capacity {
+                    let low = &live[0];
+                    if score <= low.score {
+                        ev.refused += 1;
+                        continue;
+                    }
+                    w.retire_entry(low.id)?;
+                    ev.replaced += 1;
+                }
+                let context: String = mask(&c.observation).chars().take(80).collect();
+                w.insert_entry(cluster, kind, &text, &context, score, c.turn_id, update_id)?;
+                ev.admitted += 1;
             }
-            let context: String = mask(&c.observation).chars().take(80).collect();
-            tx.execute(
-                "INSERT INTO experience_entries (cluster_id, kind, text, context, score, source_turn, update_id)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-                params![cluster, kind, text, context, score, c.turn_id, update_id],
-            )?;
-            ev.admitted += 1;
-        }
-        tx.commit()?;
+            Ok(ids)
+        })?;
         self.clusters = ids
             .into_iter()
             .zip(protos)
@@ -453,20 +360,7 @@ impl Library {
     /// # Errors
     /// SQLite errors.
     pub fn listing(store: &Store) -> Result<Vec<EntryRow>> {
-        let mut st = store.connection().prepare(
-            "SELECT cluster_id, kind, text, context, score FROM experience_entries
-             WHERE retired_at IS NULL ORDER BY cluster_id, kind, score DESC",
-        )?;
-        let rows = st.query_map([], |r| {
-            Ok(EntryRow {
-                cluster: r.get(0)?,
-                kind: r.get(1)?,
-                text: r.get(2)?,
-                context: r.get(3)?,
-                score: r.get(4)?,
-            })
-        })?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
+        store.experience_listing()
     }
 
     /// How many injections were recorded.
@@ -474,13 +368,7 @@ impl Library {
     /// # Errors
     /// SQLite errors.
     pub fn injections(store: &Store) -> Result<i64> {
-        Ok(store
-            .connection()
-            .query_row("SELECT COUNT(*) FROM experience_injections", [], |r| {
-                r.get(0)
-            })
-            .optional()?
-            .unwrap_or(0))
+        store.experience_injections()
     }
 }
 
@@ -626,7 +514,7 @@ mod tests {
             )
             .unwrap();
         assert_eq!((ev.admitted, ev.replaced), (1, 1), "{ev:?}");
-        Library::record(&store, tids[8], &inj).unwrap();
+        Library::record(&mut store, tids[8], &inj).unwrap();
         assert_eq!(Library::injections(&store).unwrap(), 2);
     }
 }

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Output;
+use turnwise::AdapterStatus;
 
 use turnwise::store::Store;
 
@@ -432,11 +433,11 @@ fn the_validation_gate_activates_only_candidates_that_do_not_lose_on_validation(
         }
         let status = store.adapter(candidate).unwrap().status;
         if passes {
-            assert_ne!(status, "rejected", "{it}");
+            assert_ne!(status, AdapterStatus::Rejected, "{it}");
             active = candidate;
             kept = 0;
         } else {
-            assert_eq!(status, "rejected", "{it}");
+            assert_eq!(status, AdapterStatus::Rejected, "{it}");
             assert!(it["note"].as_str().unwrap().contains("validation"), "{it}");
         }
     }

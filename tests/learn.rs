@@ -2,6 +2,7 @@
 //! warm start, and an RL update that moves probability towards rewarded behaviour.
 
 use std::sync::Arc;
+use turnwise::AdapterStatus;
 
 use ndarray::Array2;
 use turnwise::adapter::{adapter_dir, Adapter};
@@ -118,7 +119,9 @@ fn a_trained_adapter_is_reproduced_from_stored_features() {
         })
         .unwrap();
     ad.save(&adapter_dir(&db, id)).unwrap();
-    store.set_adapter_status(id, "candidate", None).unwrap();
+    store
+        .set_adapter_status(id, AdapterStatus::Candidate, None)
+        .unwrap();
     store.activate_adapter(id).unwrap();
     let engine = private_engine();
     engine
@@ -216,7 +219,7 @@ fn a_trained_adapter_is_reproduced_from_stored_features() {
     );
     assert_eq!(
         store.adapter(r.adapter_id.unwrap()).unwrap().status,
-        "candidate"
+        AdapterStatus::Candidate
     );
 }
 
@@ -528,7 +531,7 @@ fn a_non_finite_update_is_rejected_and_nothing_is_activated() {
         .adapters()
         .unwrap()
         .iter()
-        .all(|a| a.status != "candidate" && a.status != "active"));
+        .all(|a| a.status != AdapterStatus::Candidate && a.status != AdapterStatus::Active));
 }
 
 #[test]

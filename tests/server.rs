@@ -6,6 +6,7 @@ use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::Duration;
+use turnwise::AdapterStatus;
 
 use serde_json::{json, Value};
 use turnwise::store::Store;
@@ -408,7 +409,7 @@ fn kill_during_stream_and_training_loses_no_acknowledged_turn() {
     srv.kill();
     let store = Store::open(&db).unwrap();
     for ad in store.adapters().unwrap() {
-        if ad.status == "active" {
+        if ad.status == AdapterStatus::Active {
             turnwise::adapter::Adapter::load(Path::new(&ad.path))
                 .expect("the active adapter is complete");
         }
@@ -659,7 +660,9 @@ fn the_server_starts_on_the_previous_adapter_when_the_active_one_is_damaged() {
         Adapter::fresh(h.n_embd(), h.n_vocab(), 4, 8.0, seed, "t")
             .save(&adapter_dir(&db, id))
             .unwrap();
-        store.set_adapter_status(id, "candidate", None).unwrap();
+        store
+            .set_adapter_status(id, AdapterStatus::Candidate, None)
+            .unwrap();
         store.activate_adapter(id).unwrap();
         ids.push(id);
     }
@@ -689,8 +692,14 @@ fn the_server_starts_on_the_previous_adapter_when_the_active_one_is_damaged() {
     );
     assert_eq!(s, 200);
     let store = Store::open(&db).unwrap();
-    assert_eq!(store.adapter(ids[1]).unwrap().status, "rejected");
-    assert_eq!(store.adapter(writing).unwrap().status, "rejected");
+    assert_eq!(
+        store.adapter(ids[1]).unwrap().status,
+        AdapterStatus::Rejected
+    );
+    assert_eq!(
+        store.adapter(writing).unwrap().status,
+        AdapterStatus::Rejected
+    );
     assert!(!tmp.exists(), "the dead process's temporary folder is gone");
 }
 
@@ -789,7 +798,9 @@ fn fault_cycles_lose_no_acknowledged_turn() {
                     .adapters()
                     .unwrap()
                     .into_iter()
-                    .find(|ad| ad.status == "candidate" || ad.status == "retired");
+                    .find(|ad| {
+                        ad.status == AdapterStatus::Candidate || ad.status == AdapterStatus::Retired
+                    });
                 if let Some(ad) = candidate {
                     let mut sock = TcpStream::connect(&a).unwrap();
                     let path = format!("/v1/adapters/{}/activate", ad.id);

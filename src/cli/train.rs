@@ -222,13 +222,13 @@ pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<
         })?;
         value.save(&turnwise::adapter::adapter_dir(db, id))?;
         let metrics = serde_json::to_value(&fit)?;
-        store.set_adapter_status(id, "candidate", Some(&metrics))?;
+        store.set_adapter_status(id, turnwise::AdapterStatus::Candidate, Some(&metrics))?;
         store.record_update(
             Some(id),
             "value",
             &serde_json::json!({"steps": args.value_steps}),
             &metrics,
-            "ok",
+            turnwise::store::UpdateStatus::Ok,
         )?;
         println!(
             "value head fitted into candidate adapter {id}: {}",

@@ -29,7 +29,7 @@ use crate::policy::sampler::Rng;
 use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams};
 use crate::replay::{rescore_conversation, store_rescored, Conversation};
 use crate::session::turns_from_generation;
-use crate::store::{NewSession, Source, Store};
+use crate::store::{AdapterStatus, NewSession, Source, Store};
 
 /// The base model is evaluated on the first this-many held-out scenarios only: it never writes an
 /// action (docs/findings.md), and its rambling replies make each session the slowest of the run.
@@ -1324,7 +1324,11 @@ impl<'a> Demo<'a> {
                                 "candidate": {"success": cs, "reward": cr},
                                 "active": {"success": as_, "reward": ar},
                                 "scenarios": self.cfg.val_scenarios}}});
-                            self.store.set_adapter_status(id, "rejected", Some(&gate))?;
+                            self.store.set_adapter_status(
+                                id,
+                                AdapterStatus::Rejected,
+                                Some(&gate),
+                            )?;
                             note = Some(format!(
                                 "gate: validation success {:.0} % < active {:.0} % (or equal, reward {cr:.3} < {ar:.3})",
                                 cs * 100.0,
@@ -1334,7 +1338,7 @@ impl<'a> Demo<'a> {
                     } else {
                         self.store.set_adapter_status(
                             id,
-                            "rejected",
+                            AdapterStatus::Rejected,
                             Some(&json!({"gate": {"approx_kl": kl, "bound": self.cfg.gate_kl}})),
                         )?;
                         note = Some(format!("gate: |approx KL| {kl:.4} > {}", self.cfg.gate_kl));

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::adapter::Adapter;
 use crate::error::{Error, Result};
 use crate::policy::Engine;
-use crate::store::{NewAnnotation, Store, TurnRecord};
+use crate::store::{AnnotationKind, NewAnnotation, Store, TurnRecord};
 use crate::Role;
 
 /// `p_t` in log-prob space (default, as the released code) or probability space (the paper).
@@ -270,18 +270,18 @@ pub fn annotate_sessions_with(
         for ((turn_id, _), (before, after, c)) in
             states.iter().zip(success_contribution(&values, outcome))
         {
-            let mut push = |kind: &str, v: f64| {
+            let mut push = |kind: AnnotationKind, v: f64| {
                 rows.push(NewAnnotation {
                     turn_id: *turn_id,
-                    kind: kind.into(),
+                    kind,
                     value: v,
                     producer: producer.clone(),
                 })
             };
-            push("value_before", before);
+            push(AnnotationKind::ValueBefore, before);
             if let (Some(a), Some(c)) = (after, c) {
-                push("value_after", a);
-                push("success_contribution", c);
+                push(AnnotationKind::ValueAfter, a);
+                push(AnnotationKind::SuccessContribution, c);
             }
         }
         sum.turns += states.len();
@@ -320,7 +320,7 @@ pub fn annotate_sessions_with(
             {
                 rows.push(NewAnnotation {
                     turn_id: *id,
-                    kind: "info_gain".into(),
+                    kind: AnnotationKind::InfoGain,
                     value: ig,
                     producer: cfg.ig_producer(),
                 });

@@ -26,7 +26,7 @@ use crate::graph::step::{OrtStep, StepInputs, StepKind};
 use crate::graph::Device;
 use crate::policy::sampler::Support;
 use crate::policy::OutputHead;
-use crate::store::{NewAnnotation, Source, Store};
+use crate::store::{AdapterStatus, AnnotationKind, NewAnnotation, Source, Store, UpdateStatus};
 
 /// The algorithm presets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -870,7 +870,7 @@ pub fn run_update(
             .iter()
             .map(|t| {
                 store
-                    .latest_annotation(t.turn_id, "info_gain")
+                    .latest_annotation(t.turn_id, AnnotationKind::InfoGain)
                     .map(|a| a.map(|x| x.0))
             })
             .collect::<Result<Option<Vec<f64>>>>()?;
@@ -878,20 +878,20 @@ pub fn run_update(
         for (t, (before, after, c)) in s.turns.iter().zip(&contrib) {
             credit_rows.push(NewAnnotation {
                 turn_id: t.turn_id,
-                kind: "value_before".into(),
+                kind: AnnotationKind::ValueBefore,
                 value: *before,
                 producer: value_producer.clone(),
             });
             if let (Some(a), Some(c)) = (after, c) {
                 credit_rows.push(NewAnnotation {
                     turn_id: t.turn_id,
-                    kind: "value_after".into(),
+                    kind: AnnotationKind::ValueAfter,
                     value: *a,
                     producer: value_producer.clone(),
                 });
                 credit_rows.push(NewAnnotation {
                     turn_id: t.turn_id,
-                    kind: "success_contribution".into(),
+                    kind: AnnotationKind::SuccessContribution,
                     value: *c,
                     producer: value_producer.clone(),
                 });
@@ -1286,7 +1286,7 @@ pub fn run_update(
                     &format!("{:?}", cfg.algo).to_lowercase(),
                     &serde_json::to_value(cfg)?,
                     &diag,
-                    "rejected",
+                    UpdateStatus::Rejected,
                 )?;
                 return Err(Error::Invalid(format!("update {id} rejected: non-finite loss or gradient at step {step}; the active adapter is unchanged")));
             }
@@ -1444,16 +1444,20 @@ pub fn run_update(
         Vec::new()
     };
     if let Err(e) = current.save_with(&dir, &extra) {
-        store.set_adapter_status(id, "rejected", Some(&json!({"error": e.to_string()})))?;
+        store.set_adapter_status(
+            id,
+            AdapterStatus::Rejected,
+            Some(&json!({"error": e.to_string()})),
+        )?;
         return Err(e);
     }
-    store.set_adapter_status(id, "candidate", Some(&diagnostics))?;
+    store.set_adapter_status(id, AdapterStatus::Candidate, Some(&diagnostics))?;
     let update_id = store.record_update(
         Some(id),
         &format!("{:?}", cfg.algo).to_lowercase(),
         &serde_json::to_value(cfg)?,
         &diagnostics,
-        "ok",
+        UpdateStatus::Ok,
     )?;
     // the advantage each turn received in this update
     if !sft {
@@ -1466,7 +1470,7 @@ pub fn run_update(
             .flat_map(|(_, (s, adv))| {
                 s.turns.iter().zip(adv).map(|(t, a)| NewAnnotation {
                     turn_id: t.turn_id,
-                    kind: "advantage".into(),
+                    kind: AnnotationKind::Advantage,
                     value: *a,
                     producer: producer.clone(),
                 })

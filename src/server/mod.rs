@@ -30,7 +30,7 @@ use crate::error::Error;
 use crate::learn::{run_update, Algo, Selection, TrainConfig};
 use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams, StopReason};
 use crate::session::turns_from_generation;
-use crate::store::{NewSession, Source, Store};
+use crate::store::{AdapterStatus, NewSession, Source, Store};
 
 /// Server settings.
 #[derive(Debug, Clone)]
@@ -188,7 +188,7 @@ impl AppState {
                     );
                     store.rollback_adapter()?;
                     let why = json!({"error": format!("cannot be served: {e}")});
-                    store.set_adapter_status(rec.id, "rejected", Some(&why))?;
+                    store.set_adapter_status(rec.id, AdapterStatus::Rejected, Some(&why))?;
                 }
             }
         };
@@ -500,15 +500,7 @@ fn route_session(
 /// After a restart: the newest open session with this client id, restored token-exact.
 fn restore(st: &AppState, client_id: &str) -> ApiResult<Option<LiveSession>> {
     let store = st.store();
-    let found: Option<i64> = store
-        .connection()
-        .query_row(
-            "SELECT id FROM sessions WHERE source = 'live' AND ended_at IS NULL
-             AND json_extract(metadata, '$.client_session_id') = ?1 ORDER BY id DESC LIMIT 1",
-            [client_id],
-            |r| r.get(0),
-        )
-        .ok();
+    let found = store.session_of_client(client_id, true)?;
     let Some(sid) = found else { return Ok(None) };
     let turns = store.turns(sid)?;
     drop(store);
@@ -730,14 +722,13 @@ fn live_session(st: &AppState, id: &str) -> ApiResult<i64> {
     if let Some(l) = st.live().get(id) {
         return Ok(l.store_id);
     }
-    st.store()
-        .connection()
-        .query_row(
-            "SELECT id FROM sessions WHERE json_extract(metadata, '$.client_session_id') = ?1 ORDER BY id DESC LIMIT 1",
-            [id],
-            |r| r.get(0),
+    st.store().session_of_client(id, false)?.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            format!("unknown session {id}"),
         )
-        .map_err(|_| ApiError::new(StatusCode::NOT_FOUND, "not_found_error", format!("unknown session {id}")))
+    })
 }
 
 async fn feedback(
@@ -1093,7 +1084,7 @@ pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
         m.extend(g.clone());
     }
     if pass {
-        store.set_adapter_status(id, "candidate", Some(&metrics))?;
+        store.set_adapter_status(id, AdapterStatus::Candidate, Some(&metrics))?;
         // checked by the engine before it is written active
         st.engine.set_adapter(Some((id, Arc::new(cand))))?;
         if let Err(e) = store.activate_adapter(id) {
@@ -1105,7 +1096,7 @@ pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
             "adapter {id} passed the gate and is active ({gate})"
         ))
     } else {
-        store.set_adapter_status(id, "rejected", Some(&metrics))?;
+        store.set_adapter_status(id, AdapterStatus::Rejected, Some(&metrics))?;
         Ok(format!("adapter {id} failed the gate ({gate})"))
     }
 }

@@ -5,7 +5,13 @@
 //! mode with `synchronous = FULL`, and each logical write (a session's new turns, an import) is
 //! one transaction, so a turn that was acknowledged survives a crash the next instant.
 
+mod adapters;
+mod annotations;
 mod blob;
+mod experience;
+pub use experience::{ExperienceEntry, ExperienceRow, ExperienceWriter};
+mod features;
+mod sessions;
 
 use std::path::Path;
 
@@ -56,6 +62,104 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ),
 ];
 
+/// A closed set of names stored as text: `as_str`, parsing, `Display`, SQLite and serde
+/// conversions, so that a misspelt status or kind is a compile error, not a silent new value.
+macro_rules! text_enum {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident = $s:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        pub enum $name {
+            $($(#[$vm])* #[serde(rename = $s)] $v),+
+        }
+
+        impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$v),+];
+
+            /// The stored name.
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$v => $s),+ }
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = Error;
+
+            fn from_str(s: &str) -> Result<Self> {
+                match s {
+                    $($s => Ok($name::$v),)+
+                    other => Err(Error::Invalid(format!(
+                        concat!("unknown ", stringify!($name), " {:?} (one of: {})"),
+                        other,
+                        [$($s),+].join(", ")
+                    ))),
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.pad(self.as_str())
+            }
+        }
+
+        impl rusqlite::ToSql for $name {
+            fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
+                Ok(self.as_str().into())
+            }
+        }
+
+        impl rusqlite::types::FromSql for $name {
+            fn column_result(v: rusqlite::types::ValueRef<'_>) -> rusqlite::types::FromSqlResult<Self> {
+                let s = v.as_str()?;
+                s.parse().map_err(|e: Error| rusqlite::types::FromSqlError::Other(Box::new(e)))
+            }
+        }
+    };
+}
+
+text_enum! {
+    /// Where an adapter version stands.
+    AdapterStatus {
+        /// registered, its files being written (a crash leaves it so; rejected at start-up)
+        Writing = "writing",
+        /// fully written, not (yet) active
+        Candidate = "candidate",
+        /// the policy serves with it
+        Active = "active",
+        /// was active, replaced by another
+        Retired = "retired",
+        /// failed its gate or could not be written
+        Rejected = "rejected",
+    }
+}
+
+text_enum! {
+    /// What an annotation of a turn measures.
+    AnnotationKind {
+        /// the value head's success estimate before the turn
+        ValueBefore = "value_before",
+        /// the value head's success estimate after the turn
+        ValueAfter = "value_after",
+        /// value after − value before (clamped success target at the final turn)
+        SuccessContribution = "success_contribution",
+        /// information gain of the ground truth from the turn
+        InfoGain = "info_gain",
+        /// the advantage the last update gave the turn
+        Advantage = "advantage",
+    }
+}
+
+text_enum! {
+    /// How an update ended.
+    UpdateStatus {
+        /// a candidate adapter was written
+        Ok = "ok",
+        /// stopped (non-finite loss or gradient); no adapter
+        Rejected = "rejected",
+    }
+}
+
 /// One row of the `turn_credit` view.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TurnCredit {
@@ -80,8 +184,8 @@ pub struct TurnCredit {
 pub struct NewAnnotation {
     /// the turn
     pub turn_id: i64,
-    /// value_before | value_after | success_contribution | info_gain | advantage
-    pub kind: String,
+    /// what the value measures
+    pub kind: AnnotationKind,
     /// the value
     pub value: f64,
     /// what produced it (`value-head:<adapter id>`, `policy-frozen`, `update:<id>`)
@@ -99,8 +203,8 @@ pub struct AdapterRecord {
     pub created_at: String,
     /// directory
     pub path: String,
-    /// writing | candidate | active | retired | rejected
-    pub status: String,
+    /// where it stands
+    pub status: AdapterStatus,
     /// metrics JSON
     pub metrics: serde_json::Value,
     /// last activation time
@@ -471,663 +575,6 @@ impl Store {
             .pragma_query_value(None, "user_version", |r| r.get(0))?)
     }
 
-    /// Creates a session and returns its id.
-    ///
-    /// # Errors
-    /// SQLite errors (a duplicate `content_hash` among them).
-    pub fn create_session(&self, s: &NewSession) -> Result<i64> {
-        insert_session(&self.conn, s)
-    }
-
-    /// Creates a session together with its turns in one transaction (imports).
-    ///
-    /// # Errors
-    /// SQLite errors; nothing is written on error.
-    pub fn create_session_with_turns(
-        &mut self,
-        s: &NewSession,
-        turns: &[NewTurn],
-    ) -> Result<(i64, Vec<i64>)> {
-        let tx = self.write()?;
-        let id = insert_session(&tx, s)?;
-        let ids = insert_turns(&tx, id, turns)?;
-        tx.commit()?;
-        Ok((id, ids))
-    }
-
-    /// Appends turns to a session in one transaction and returns their ids.
-    ///
-    /// # Errors
-    /// [`Error::NotFound`] for an unknown session; SQLite errors (nothing is written then).
-    pub fn append_turns(&mut self, session_id: i64, turns: &[NewTurn]) -> Result<Vec<i64>> {
-        let tx = self.write()?;
-        let exists: Option<i64> = tx
-            .query_row("SELECT id FROM sessions WHERE id = ?1", [session_id], |r| {
-                r.get(0)
-            })
-            .optional()?;
-        if exists.is_none() {
-            return Err(Error::NotFound(format!("session {session_id}")));
-        }
-        let ids = insert_turns(&tx, session_id, turns)?;
-        tx.commit()?;
-        Ok(ids)
-    }
-
-    /// The session whose imported content has this hash.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn session_by_hash(&self, hash: &str) -> Result<Option<i64>> {
-        Ok(self
-            .conn
-            .query_row(
-                "SELECT id FROM sessions WHERE content_hash = ?1",
-                [hash],
-                |r| r.get(0),
-            )
-            .optional()?)
-    }
-
-    /// Records feedback; `kind = "outcome"` also sets the session's outcome reward.
-    ///
-    /// # Errors
-    /// [`Error::NotFound`]; SQLite errors.
-    pub fn add_feedback(
-        &mut self,
-        session_id: i64,
-        turn_idx: Option<i64>,
-        kind: &str,
-        value: Option<f64>,
-        note: Option<&str>,
-    ) -> Result<()> {
-        let tx = self.write()?;
-        let n = tx.execute(
-            "UPDATE sessions SET outcome_reward = CASE WHEN ?2 = 'outcome' THEN ?3 ELSE outcome_reward END WHERE id = ?1",
-            params![session_id, kind, value],
-        )?;
-        if n == 0 {
-            return Err(Error::NotFound(format!("session {session_id}")));
-        }
-        tx.execute(
-            "INSERT INTO feedback (session_id, turn_idx, kind, value, note) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![session_id, turn_idx, kind, value, note],
-        )?;
-        tx.commit()?;
-        Ok(())
-    }
-
-    /// Marks a session ended.
-    ///
-    /// # Errors
-    /// [`Error::NotFound`]; SQLite errors.
-    pub fn end_session(&self, session_id: i64) -> Result<()> {
-        let n = self.conn.execute(
-            "UPDATE sessions SET ended_at = COALESCE(ended_at, strftime('%Y-%m-%dT%H:%M:%fZ', 'now')) WHERE id = ?1",
-            [session_id],
-        )?;
-        if n == 0 {
-            return Err(Error::NotFound(format!("session {session_id}")));
-        }
-        Ok(())
-    }
-
-    /// Marks sessions as learned from (they become eligible for feature retention).
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn mark_learned(&mut self, session_ids: &[i64]) -> Result<()> {
-        let tx = self.write()?;
-        {
-            let mut st = tx.prepare(
-                "UPDATE sessions SET learned_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE id = ?1",
-            )?;
-            for id in session_ids {
-                st.execute([id])?;
-            }
-        }
-        tx.commit()?;
-        Ok(())
-    }
-
-    /// One session.
-    ///
-    /// # Errors
-    /// [`Error::NotFound`]; SQLite errors.
-    pub fn session(&self, id: i64) -> Result<SessionRecord> {
-        let sql = format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ?1");
-        self.conn
-            .query_row(&sql, [id], session_row)
-            .optional()?
-            .ok_or_else(|| Error::NotFound(format!("session {id}")))
-    }
-
-    /// Sessions, newest first, optionally of one source.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn sessions(&self, source: Option<Source>, limit: usize) -> Result<Vec<SessionRecord>> {
-        let sql = format!(
-            "SELECT {SESSION_COLUMNS} FROM sessions WHERE (?1 IS NULL OR source = ?1) ORDER BY id DESC LIMIT ?2"
-        );
-        let mut st = self.conn.prepare(&sql)?;
-        let rows = st.query_map(
-            params![source.map(Source::as_str), limit as i64],
-            session_row,
-        )?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
-    }
-
-    /// The turns of a session in order.
-    ///
-    /// # Errors
-    /// SQLite errors; [`Error::Corrupt`] for undecodable rows.
-    pub fn turns(&self, session_id: i64) -> Result<Vec<TurnRecord>> {
-        let sql = format!("SELECT {TURN_COLUMNS} FROM turns WHERE session_id = ?1 ORDER BY idx");
-        let mut st = self.conn.prepare(&sql)?;
-        let rows = st.query_map([session_id], turn_row)?;
-        rows.map(|r| r.map_err(Error::from).and_then(|r| r))
-            .collect()
-    }
-
-    /// Feedback rows of a session.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn feedback(&self, session_id: i64) -> Result<Vec<FeedbackRecord>> {
-        let mut st = self.conn.prepare(
-            "SELECT turn_idx, kind, value, note FROM feedback WHERE session_id = ?1 ORDER BY id",
-        )?;
-        let rows = st.query_map([session_id], |r| {
-            Ok(FeedbackRecord {
-                turn_idx: r.get(0)?,
-                kind: r.get(1)?,
-                value: r.get(2)?,
-                note: r.get(3)?,
-            })
-        })?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
-    }
-
-    /// Writes annotations in one transaction.
-    ///
-    /// # Errors
-    /// SQLite errors (nothing is written then); [`Error::Invalid`] for a non-finite value.
-    pub fn add_annotations(&mut self, rows: &[NewAnnotation]) -> Result<()> {
-        if let Some(bad) = rows.iter().find(|r| !r.value.is_finite()) {
-            return Err(Error::Invalid(format!(
-                "annotation {} of turn {} is not finite",
-                bad.kind, bad.turn_id
-            )));
-        }
-        let tx = self.write()?;
-        {
-            let mut st = tx.prepare(
-                "INSERT INTO annotations (turn_id, kind, value, producer) VALUES (?1, ?2, ?3, ?4)",
-            )?;
-            for r in rows {
-                st.execute(params![r.turn_id, r.kind, r.value, r.producer])?;
-            }
-        }
-        tx.commit()?;
-        Ok(())
-    }
-
-    /// The latest annotation of one kind for a turn: `(value, producer)`.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn latest_annotation(&self, turn_id: i64, kind: &str) -> Result<Option<(f64, String)>> {
-        Ok(self
-            .conn
-            .query_row(
-                "SELECT value, producer FROM annotations WHERE turn_id = ?1 AND kind = ?2 ORDER BY id DESC LIMIT 1",
-                params![turn_id, kind],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .optional()?)
-    }
-
-    /// Rows of the `turn_credit` view for a session, in turn order.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn turn_credit(&self, session_id: i64) -> Result<Vec<TurnCredit>> {
-        let mut st = self.conn.prepare(
-            "SELECT turn_idx, snippet, value_before, value_after, contribution, info_gain, advantage
-             FROM turn_credit WHERE session_id = ?1 ORDER BY turn_idx",
-        )?;
-        let rows = st.query_map([session_id], |r| {
-            Ok(TurnCredit {
-                turn_idx: r.get(0)?,
-                snippet: r.get(1)?,
-                value_before: r.get(2)?,
-                value_after: r.get(3)?,
-                contribution: r.get(4)?,
-                info_gain: r.get(5)?,
-                advantage: r.get(6)?,
-            })
-        })?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
-    }
-
-    /// All opening-state clusters: `(id, prototype, members)`.
-    ///
-    /// # Errors
-    /// SQLite errors; [`Error::Corrupt`].
-    pub fn opening_clusters(&self) -> Result<Vec<(i64, Vec<f32>, i64)>> {
-        let mut st = self
-            .conn
-            .prepare("SELECT id, prototype, members FROM opening_clusters ORDER BY id")?;
-        let rows = st.query_map([], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, Vec<u8>>(1)?,
-                r.get::<_, i64>(2)?,
-            ))
-        })?;
-        rows.map(|r| {
-            let (id, b, n) = r?;
-            Ok((id, from_f32_blob(&b)?, n))
-        })
-        .collect()
-    }
-
-    /// Saves clusters (new ones get ids) and sets the group key of sessions, in one
-    /// transaction. `clusters`: `(id or None, prototype, members)`; `assign`: `(session, index
-    /// into clusters)`. Returns the cluster ids.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn save_opening_clusters(
-        &mut self,
-        clusters: &[(Option<i64>, Vec<f32>, i64)],
-        assign: &[(i64, usize)],
-    ) -> Result<Vec<i64>> {
-        let tx = self.write()?;
-        let mut ids = Vec::with_capacity(clusters.len());
-        for (id, proto, n) in clusters {
-            match id {
-                Some(id) => {
-                    tx.execute(
-                        "UPDATE opening_clusters SET prototype = ?2, members = ?3 WHERE id = ?1",
-                        params![id, f32_blob(proto), n],
-                    )?;
-                    ids.push(*id);
-                }
-                None => {
-                    tx.execute(
-                        "INSERT INTO opening_clusters (n_embd, prototype, members) VALUES (?1, ?2, ?3)",
-                        params![proto.len() as i64, f32_blob(proto), n],
-                    )?;
-                    ids.push(tx.last_insert_rowid());
-                }
-            }
-        }
-        for (sid, k) in assign {
-            tx.execute(
-                "UPDATE sessions SET group_key = ?2 WHERE id = ?1 AND group_key IS NULL",
-                params![sid, format!("cluster:{}", ids[*k])],
-            )?;
-        }
-        tx.commit()?;
-        Ok(ids)
-    }
-
-    /// Annotations of a session's turns as JSON objects `{turn_idx, kind, value, producer}`.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn annotations_of_session(&self, session_id: i64) -> Result<Vec<serde_json::Value>> {
-        let mut st = self.conn.prepare(
-            "SELECT t.idx, a.kind, a.value, a.producer FROM annotations a JOIN turns t ON t.id = a.turn_id
-             WHERE t.session_id = ?1 ORDER BY t.idx, a.id",
-        )?;
-        let rows = st.query_map([session_id], |r| {
-            Ok(serde_json::json!({
-                "turn_idx": r.get::<_, i64>(0)?, "kind": r.get::<_, String>(1)?,
-                "value": r.get::<_, f64>(2)?, "producer": r.get::<_, String>(3)?,
-            }))
-        })?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
-    }
-
-    /// Per-token log-probs of an assistant turn.
-    ///
-    /// # Errors
-    /// SQLite errors; [`Error::Corrupt`].
-    pub fn token_logprobs(&self, turn_id: i64) -> Result<Option<TokenLogprobs>> {
-        let row: Option<(Vec<u8>, Vec<u8>, Option<String>)> = self
-            .conn
-            .query_row(
-                "SELECT logp_behavior, logp_full, support FROM tokens WHERE turn_id = ?1",
-                [turn_id],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-            )
-            .optional()?;
-        row.map(|(b, f, sup)| {
-            let support = match sup {
-                Some(j) => serde_json::from_str::<Vec<Option<Support>>>(&j)
-                    .map_err(|e| Error::Corrupt(format!("token support of turn {turn_id}: {e}")))?
-                    .into_iter()
-                    .map(Option::unwrap_or_default)
-                    .collect(),
-                None => Vec::new(),
-            };
-            Ok(TokenLogprobs {
-                logp_behavior: from_f32_blob(&b)?,
-                logp_full: from_f32_blob(&f)?,
-                support,
-            })
-        })
-        .transpose()
-    }
-
-    /// Hidden states of an assistant turn.
-    ///
-    /// # Errors
-    /// SQLite errors; [`Error::Corrupt`].
-    pub fn features(&self, turn_id: i64) -> Result<Option<Features>> {
-        let row: Option<(i64, String, Vec<u8>)> = self
-            .conn
-            .query_row(
-                "SELECT n_embd, dtype, hidden FROM features WHERE turn_id = ?1",
-                [turn_id],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-            )
-            .optional()?;
-        row.map(|(n, d, b)| Features::decode(n as usize, &d, &b))
-            .transpose()
-    }
-
-    /// Drops the features (not the text, tokens or log-probs) of sessions created more than
-    /// `older_than_days` ago; with `only_learned`, only of sessions an update has used.
-    /// Returns the number of turns whose features were dropped.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn gc_features(&mut self, older_than_days: f64, only_learned: bool) -> Result<usize> {
-        let tx = self.write()?;
-        let n = tx.execute(
-            "DELETE FROM features WHERE turn_id IN (
-                 SELECT t.id FROM turns t JOIN sessions s ON s.id = t.session_id
-                 WHERE julianday(s.created_at) <= julianday('now') - ?1
-                   AND (?2 = 0 OR s.learned_at IS NOT NULL))",
-            params![older_than_days, only_learned],
-        )?;
-        tx.commit()?;
-        Ok(n)
-    }
-
-    /// Reclaims free pages after a large deletion.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn vacuum(&self) -> Result<()> {
-        self.conn.execute_batch("VACUUM")?;
-        Ok(())
-    }
-
-    /// How much the log takes.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn storage_stats(&self) -> Result<StorageStats> {
-        let q = |sql: &str| -> Result<i64> {
-            Ok(self
-                .conn
-                .query_row(sql, [], |r| r.get::<_, Option<i64>>(0))?
-                .unwrap_or(0))
-        };
-        let page_count = q("PRAGMA page_count")?;
-        let page_size = q("PRAGMA page_size")?;
-        Ok(StorageStats {
-            sessions: q("SELECT COUNT(*) FROM sessions")?,
-            turns: q("SELECT COUNT(*) FROM turns")?,
-            sampled_tokens: q(
-                "SELECT SUM(t.n_tokens) FROM turns t JOIN tokens k ON k.turn_id = t.id",
-            )?,
-            tokens_with_features: q(
-                "SELECT SUM(t.n_tokens) FROM turns t JOIN features f ON f.turn_id = t.id",
-            )?,
-            feature_bytes: q("SELECT SUM(length(hidden)) FROM features")?,
-            token_bytes: q(
-                "SELECT SUM(length(k.logp_behavior) + length(k.logp_full) + length(t.token_ids))
-                 FROM tokens k JOIN turns t ON t.id = k.turn_id",
-            )?,
-            file_bytes: page_count * page_size,
-        })
-    }
-
-    /// Registers an adapter version that is about to be written (status `writing`).
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn register_adapter(
-        &self,
-        parent_id: Option<i64>,
-        path_of: impl FnOnce(i64) -> String,
-    ) -> Result<i64> {
-        self.conn.execute(
-            "INSERT INTO adapters (parent_id, path, status) VALUES (?1, '', 'writing')",
-            params![parent_id],
-        )?;
-        let id = self.conn.last_insert_rowid();
-        self.conn.execute(
-            "UPDATE adapters SET path = ?2 WHERE id = ?1",
-            params![id, path_of(id)],
-        )?;
-        Ok(id)
-    }
-
-    /// Marks adapter versions still `writing` as `rejected` (a process died while writing
-    /// them) and returns their ids. Call it at start-up, before this process writes any.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn reject_unfinished_adapters(&self) -> Result<Vec<i64>> {
-        let mut st = self
-            .conn
-            .prepare("SELECT id FROM adapters WHERE status = 'writing' ORDER BY id")?;
-        let ids: Vec<i64> = st
-            .query_map([], |r| r.get(0))?
-            .collect::<rusqlite::Result<_>>()?;
-        self.conn.execute(
-            "UPDATE adapters SET status = 'rejected',
-                 metrics = json_set(metrics, '$.error', 'interrupted while writing')
-             WHERE status = 'writing'",
-            [],
-        )?;
-        Ok(ids)
-    }
-
-    /// Sets an adapter's status and metrics (e.g. `candidate` once fully written).
-    ///
-    /// # Errors
-    /// [`Error::NotFound`]; SQLite errors.
-    pub fn set_adapter_status(
-        &self,
-        id: i64,
-        status: &str,
-        metrics: Option<&serde_json::Value>,
-    ) -> Result<()> {
-        let n = self.conn.execute(
-            "UPDATE adapters SET status = ?2, metrics = COALESCE(?3, metrics) WHERE id = ?1",
-            params![id, status, metrics.map(|m| m.to_string())],
-        )?;
-        if n == 0 {
-            return Err(Error::NotFound(format!("adapter {id}")));
-        }
-        Ok(())
-    }
-
-    /// All adapters, newest first.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn adapters(&self) -> Result<Vec<AdapterRecord>> {
-        let mut st = self.conn.prepare(
-            "SELECT id, parent_id, created_at, path, status, metrics, activated_at FROM adapters ORDER BY id DESC",
-        )?;
-        let rows = st.query_map([], adapter_row)?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
-    }
-
-    /// One adapter.
-    ///
-    /// # Errors
-    /// [`Error::NotFound`]; SQLite errors.
-    pub fn adapter(&self, id: i64) -> Result<AdapterRecord> {
-        self.conn
-            .query_row(
-                "SELECT id, parent_id, created_at, path, status, metrics, activated_at FROM adapters WHERE id = ?1",
-                [id],
-                adapter_row,
-            )
-            .optional()?
-            .ok_or_else(|| Error::NotFound(format!("adapter {id}")))
-    }
-
-    /// The active adapter, if any.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn active_adapter(&self) -> Result<Option<AdapterRecord>> {
-        Ok(self
-            .conn
-            .query_row(
-                "SELECT id, parent_id, created_at, path, status, metrics, activated_at FROM adapters
-                 WHERE status = 'active' ORDER BY activated_at DESC LIMIT 1",
-                [],
-                adapter_row,
-            )
-            .optional()?)
-    }
-
-    /// Makes `id` the active adapter (the previous one becomes `retired`, kept for rollback).
-    /// Only a fully written adapter (`candidate`, `retired` or `active`) can be activated.
-    ///
-    /// # Errors
-    /// [`Error::NotFound`]; [`Error::Invalid`] for an adapter in another state.
-    pub fn activate_adapter(&mut self, id: i64) -> Result<()> {
-        let tx = self.write()?;
-        let status: Option<String> = tx
-            .query_row("SELECT status FROM adapters WHERE id = ?1", [id], |r| {
-                r.get(0)
-            })
-            .optional()?;
-        match status.as_deref() {
-            None => return Err(Error::NotFound(format!("adapter {id}"))),
-            Some("candidate" | "retired" | "active") => {}
-            Some(other) => {
-                return Err(Error::Invalid(format!(
-                    "adapter {id} is {other}; it cannot be activated"
-                )))
-            }
-        }
-        let previous: Option<i64> = tx
-            .query_row(
-                "SELECT id FROM adapters WHERE status = 'active' AND id != ?1 ORDER BY activated_at DESC LIMIT 1",
-                [id],
-                |r| r.get(0),
-            )
-            .optional()?;
-        tx.execute(
-            "UPDATE adapters SET status = 'retired' WHERE status = 'active' AND id != ?1",
-            [id],
-        )?;
-        tx.execute(
-            "UPDATE adapters SET status = 'active', activated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'),
-                 previous_id = CASE WHEN status = 'active' THEN previous_id ELSE ?2 END
-             WHERE id = ?1",
-            params![id, previous],
-        )?;
-        tx.commit()?;
-        Ok(())
-    }
-
-    /// Deactivates the active adapter and re-activates the one that was active before it (or
-    /// none: the base model). Repeated rollbacks walk back the activation history. Returns the
-    /// adapter now active.
-    ///
-    /// # Errors
-    /// [`Error::Invalid`] when no adapter is active.
-    pub fn rollback_adapter(&mut self) -> Result<Option<i64>> {
-        let tx = self.write()?;
-        let (current, previous): (i64, Option<i64>) = tx
-            .query_row(
-                "SELECT id, previous_id FROM adapters WHERE status = 'active' ORDER BY activated_at DESC LIMIT 1",
-                [],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .optional()?
-            .ok_or_else(|| Error::Invalid("no adapter is active".into()))?;
-        tx.execute(
-            "UPDATE adapters SET status = 'retired' WHERE id = ?1",
-            [current],
-        )?;
-        if let Some(p) = previous {
-            tx.execute(
-                "UPDATE adapters SET status = 'active', activated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE id = ?1",
-                [p],
-            )?;
-        }
-        tx.commit()?;
-        Ok(previous)
-    }
-
-    /// Records an update and returns its id.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn record_update(
-        &self,
-        adapter_id: Option<i64>,
-        algo: &str,
-        config: &serde_json::Value,
-        diagnostics: &serde_json::Value,
-        status: &str,
-    ) -> Result<i64> {
-        self.conn.execute(
-            "INSERT INTO updates (adapter_id, algo, config, diagnostics, status) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![adapter_id, algo, config.to_string(), diagnostics.to_string(), status],
-        )?;
-        Ok(self.conn.last_insert_rowid())
-    }
-
-    /// Finished sessions usable for training, oldest first: with an outcome unless
-    /// `require_outcome` is false; optionally of one source, created at or after `since`.
-    ///
-    /// # Errors
-    /// SQLite errors.
-    pub fn training_sessions(
-        &self,
-        source: Option<Source>,
-        since: Option<&str>,
-        require_outcome: bool,
-        limit: usize,
-    ) -> Result<Vec<SessionRecord>> {
-        let sql = format!(
-            "SELECT {SESSION_COLUMNS} FROM sessions
-             WHERE ended_at IS NOT NULL AND (?1 IS NULL OR source = ?1) AND (?2 IS NULL OR created_at >= ?2)
-               AND (?3 = 0 OR outcome_reward IS NOT NULL)
-             ORDER BY id DESC LIMIT ?4"
-        );
-        let mut st = self.conn.prepare(&sql)?;
-        let rows = st.query_map(
-            params![
-                source.map(Source::as_str),
-                since,
-                require_outcome,
-                limit as i64
-            ],
-            session_row,
-        )?;
-        let mut v: Vec<SessionRecord> = rows.collect::<rusqlite::Result<_>>()?;
-        v.reverse();
-        Ok(v)
-    }
-
     /// A write transaction that takes SQLite's write lock when it begins (`BEGIN IMMEDIATE`), so
     /// that a second connection writing at the same time waits for it (the busy timeout) instead
     /// of failing with `database is locked` when a deferred transaction upgrades its read lock.
@@ -1136,15 +583,12 @@ impl Store {
             .transaction_with_behavior(TransactionBehavior::Immediate)
     }
 
-    /// The underlying connection, for read-only ad-hoc queries in tests and reports.
+    /// The underlying connection, for read-only ad-hoc queries in tests. The library's own SQL
+    /// lives in this module's files, one per table family: `sessions` (sessions, turns, tokens,
+    /// feedback), `annotations` (credit and opening clusters), `features`, `adapters` (adapters
+    /// and updates) and `experience`.
     pub fn connection(&self) -> &Connection {
         &self.conn
-    }
-
-    /// The underlying connection for modules that keep their own tables (the experience
-    /// library); they write in transactions.
-    pub fn connection_mut(&mut self) -> &mut Connection {
-        &mut self.conn
     }
 }
 
@@ -1174,149 +618,6 @@ fn migrate(conn: &mut Connection) -> Result<()> {
         tracing::debug!(version, name, "migration applied");
     }
     Ok(())
-}
-
-fn insert_session(conn: &Connection, s: &NewSession) -> Result<i64> {
-    conn.execute(
-        "INSERT INTO sessions (source, group_key, reference, content_hash, metadata) VALUES (?1, ?2, ?3, ?4, ?5)",
-        params![
-            s.source.as_str(),
-            s.group_key,
-            s.reference,
-            s.content_hash,
-            s.metadata.to_string()
-        ],
-    )?;
-    Ok(conn.last_insert_rowid())
-}
-
-fn insert_turns(conn: &Connection, session_id: i64, turns: &[NewTurn]) -> Result<Vec<i64>> {
-    let next: i64 = conn.query_row(
-        "SELECT COALESCE(MAX(idx) + 1, 0) FROM turns WHERE session_id = ?1",
-        [session_id],
-        |r| r.get(0),
-    )?;
-    let mut ids = Vec::with_capacity(turns.len());
-    for (k, t) in turns.iter().enumerate() {
-        if let Some(lp) = &t.logprobs {
-            if lp.logp_behavior.len() != t.token_ids.len()
-                || lp.logp_full.len() != t.token_ids.len()
-                || !(lp.support.is_empty() || lp.support.len() == t.token_ids.len())
-            {
-                return Err(Error::Invalid("log-probs do not align with tokens".into()));
-            }
-        }
-        if let Some(f) = &t.hidden {
-            if f.values.len() != f.n_embd * t.token_ids.len() {
-                return Err(Error::Invalid(
-                    "hidden states do not align with tokens".into(),
-                ));
-            }
-        }
-        let sampler = t.sampler.as_ref().map(serde_json::to_string).transpose()?;
-        conn.execute(
-            "INSERT INTO turns (session_id, idx, role, text, token_ids, n_tokens, context_len, sampler,
-                 behavior, stop_reason, adapter_id, template, retokenized, latency_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
-            params![
-                session_id,
-                next + k as i64,
-                t.role.as_str(),
-                t.text,
-                i32_blob(&t.token_ids),
-                t.token_ids.len() as i64,
-                t.context_len as i64,
-                sampler,
-                t.behavior.map(Behavior::as_str),
-                t.stop_reason,
-                t.adapter_id,
-                t.template,
-                t.retokenized,
-                t.latency_ms
-            ],
-        )?;
-        let id = conn.last_insert_rowid();
-        if let Some(lp) = &t.logprobs {
-            // the whole softmax for every token is stored as NULL, a full token as null
-            let support = (!lp.support.iter().all(Support::is_full))
-                .then(|| {
-                    let sparse: Vec<Option<&Support>> = lp
-                        .support
-                        .iter()
-                        .map(|s| (!s.is_full()).then_some(s))
-                        .collect();
-                    serde_json::to_string(&sparse)
-                })
-                .transpose()?;
-            conn.execute(
-                "INSERT INTO tokens (turn_id, logp_behavior, logp_full, support) VALUES (?1, ?2, ?3, ?4)",
-                params![id, f32_blob(&lp.logp_behavior), f32_blob(&lp.logp_full), support],
-            )?;
-        }
-        if let Some(f) = &t.hidden {
-            conn.execute(
-                "INSERT INTO features (turn_id, n_embd, dtype, hidden) VALUES (?1, ?2, ?3, ?4)",
-                params![id, f.n_embd as i64, f.dtype.as_str(), f.encode()?],
-            )?;
-        }
-        ids.push(id);
-    }
-    Ok(ids)
-}
-
-fn adapter_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<AdapterRecord> {
-    let m: String = r.get(5)?;
-    Ok(AdapterRecord {
-        id: r.get(0)?,
-        parent_id: r.get(1)?,
-        created_at: r.get(2)?,
-        path: r.get(3)?,
-        status: r.get(4)?,
-        metrics: serde_json::from_str(&m).unwrap_or(serde_json::Value::Null),
-        activated_at: r.get(6)?,
-    })
-}
-
-fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRecord> {
-    let meta: String = r.get(7)?;
-    Ok(SessionRecord {
-        id: r.get(0)?,
-        created_at: r.get(1)?,
-        ended_at: r.get(2)?,
-        source: r.get(3)?,
-        group_key: r.get(4)?,
-        outcome_reward: r.get(5)?,
-        reference: r.get(6)?,
-        metadata: serde_json::from_str(&meta).unwrap_or(serde_json::Value::Null),
-        learned_at: r.get(8)?,
-    })
-}
-
-fn turn_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Result<TurnRecord>> {
-    let role: String = r.get(3)?;
-    let ids: Vec<u8> = r.get(5)?;
-    let sampler: Option<String> = r.get(7)?;
-    let behavior: Option<String> = r.get(8)?;
-    let build = || -> Result<TurnRecord> {
-        Ok(TurnRecord {
-            id: r.get(0)?,
-            session_id: r.get(1)?,
-            idx: r.get(2)?,
-            role: Role::parse(&role).map_err(|_| Error::Corrupt(format!("role {role}")))?,
-            text: r.get(4)?,
-            token_ids: from_i32_blob(&ids)?,
-            context_len: r.get::<_, i64>(6)? as usize,
-            sampler: sampler.as_deref().map(serde_json::from_str).transpose()?,
-            behavior: behavior.as_deref().and_then(Behavior::parse),
-            stop_reason: r.get(9)?,
-            adapter_id: r.get(10)?,
-            template: r.get(11)?,
-            retokenized: r.get(12)?,
-            latency_ms: r.get(13)?,
-            created_at: r.get(14)?,
-        })
-    };
-    Ok(build())
 }
 
 #[cfg(test)]
@@ -1455,14 +756,16 @@ mod tests {
             s.activate_adapter(a).is_err(),
             "a half-written adapter cannot be activated"
         );
-        s.set_adapter_status(a, "candidate", None).unwrap();
+        s.set_adapter_status(a, AdapterStatus::Candidate, None)
+            .unwrap();
         s.activate_adapter(a).unwrap();
         let b = s.register_adapter(Some(a), |id| format!("a/{id}")).unwrap();
-        s.set_adapter_status(b, "candidate", None).unwrap();
+        s.set_adapter_status(b, AdapterStatus::Candidate, None)
+            .unwrap();
         std::thread::sleep(std::time::Duration::from_millis(5));
         s.activate_adapter(b).unwrap();
         assert_eq!(s.active_adapter().unwrap().unwrap().id, b);
-        assert_eq!(s.adapter(a).unwrap().status, "retired");
+        assert_eq!(s.adapter(a).unwrap().status, AdapterStatus::Retired);
         assert_eq!(s.rollback_adapter().unwrap(), Some(a));
         assert_eq!(s.active_adapter().unwrap().unwrap().id, a);
         assert_eq!(

@@ -1,0 +1,81 @@
+//! Hidden-state features of sampled tokens: reading, retention and storage accounting.
+
+use super::*;
+
+impl Store {
+    /// Hidden states of an assistant turn.
+    ///
+    /// # Errors
+    /// SQLite errors; [`Error::Corrupt`].
+    pub fn features(&self, turn_id: i64) -> Result<Option<Features>> {
+        let row: Option<(i64, String, Vec<u8>)> = self
+            .conn
+            .query_row(
+                "SELECT n_embd, dtype, hidden FROM features WHERE turn_id = ?1",
+                [turn_id],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .optional()?;
+        row.map(|(n, d, b)| Features::decode(n as usize, &d, &b))
+            .transpose()
+    }
+
+    /// Drops the features (not the text, tokens or log-probs) of sessions created more than
+    /// `older_than_days` ago; with `only_learned`, only of sessions an update has used.
+    /// Returns the number of turns whose features were dropped.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn gc_features(&mut self, older_than_days: f64, only_learned: bool) -> Result<usize> {
+        let tx = self.write()?;
+        let n = tx.execute(
+            "DELETE FROM features WHERE turn_id IN (
+                 SELECT t.id FROM turns t JOIN sessions s ON s.id = t.session_id
+                 WHERE julianday(s.created_at) <= julianday('now') - ?1
+                   AND (?2 = 0 OR s.learned_at IS NOT NULL))",
+            params![older_than_days, only_learned],
+        )?;
+        tx.commit()?;
+        Ok(n)
+    }
+
+    /// Reclaims free pages after a large deletion.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn vacuum(&self) -> Result<()> {
+        self.conn.execute_batch("VACUUM")?;
+        Ok(())
+    }
+
+    /// How much the log takes.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn storage_stats(&self) -> Result<StorageStats> {
+        let q = |sql: &str| -> Result<i64> {
+            Ok(self
+                .conn
+                .query_row(sql, [], |r| r.get::<_, Option<i64>>(0))?
+                .unwrap_or(0))
+        };
+        let page_count = q("PRAGMA page_count")?;
+        let page_size = q("PRAGMA page_size")?;
+        Ok(StorageStats {
+            sessions: q("SELECT COUNT(*) FROM sessions")?,
+            turns: q("SELECT COUNT(*) FROM turns")?,
+            sampled_tokens: q(
+                "SELECT SUM(t.n_tokens) FROM turns t JOIN tokens k ON k.turn_id = t.id",
+            )?,
+            tokens_with_features: q(
+                "SELECT SUM(t.n_tokens) FROM turns t JOIN features f ON f.turn_id = t.id",
+            )?,
+            feature_bytes: q("SELECT SUM(length(hidden)) FROM features")?,
+            token_bytes: q(
+                "SELECT SUM(length(k.logp_behavior) + length(k.logp_full) + length(t.token_ids))
+                 FROM tokens k JOIN turns t ON t.id = k.turn_id",
+            )?,
+            file_bytes: page_count * page_size,
+        })
+    }
+}
