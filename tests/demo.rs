@@ -595,7 +595,7 @@ fn information_gain_scored_while_playing_matches_rescoring_the_log() {
             ..AnnotateConfig::default()
         };
         let src = InfoGainSource::Scored(&scored);
-        let sum = annotate_sessions_with(&mut store, &ids, &head, None, src, &cfg).unwrap();
+        let sum = annotate_sessions_with(&mut store, &ids, Some(&head), None, src, &cfg).unwrap();
         assert_eq!(sum.info_gain_turns, sum.turns);
         for &sid in &ids {
             let credit = store.turn_credit(sid).unwrap();
@@ -605,7 +605,8 @@ fn information_gain_scored_while_playing_matches_rescoring_the_log() {
         let mut wrong = scored.clone();
         wrong.get_mut(&ids[0]).unwrap().pop();
         let src = InfoGainSource::Scored(&wrong);
-        let e = annotate_sessions_with(&mut store, &ids[..1], &head, None, src, &cfg).unwrap_err();
+        let e = annotate_sessions_with(&mut store, &ids[..1], Some(&head), None, src, &cfg)
+            .unwrap_err();
         assert!(e.to_string().contains("reference log-probs"), "{e}");
     }
 }

@@ -862,10 +862,6 @@ impl<'a> Demo<'a> {
         self.next_key
     }
 
-    fn engine(&self) -> &'a Engine {
-        &self.engines[0]
-    }
-
     /// Puts `adapter` on every engine.
     fn set_adapter(&self, adapter: Option<(i64, Arc<Adapter>)>) -> Result<()> {
         for e in self.engines {
@@ -1221,29 +1217,15 @@ impl<'a> Demo<'a> {
             }
             ids.extend(played.session_id);
         }
-        if uses_process {
-            let value_head = match &self.active {
-                Some((_, a)) => a.clone(),
-                None => Arc::new(Adapter::fresh(
-                    self.engine().info().n_embd,
-                    self.engine().info().n_vocab,
-                    8,
-                    16.0,
-                    self.cfg.seed,
-                    &self.engine().info().name,
-                )),
-            };
-            let info_gain = if score_reference {
-                InfoGainSource::Scored(&scored)
-            } else {
-                InfoGainSource::Off
-            };
+        if score_reference {
+            // information gain only: the update's credit stage writes the value head's success
+            // contribution (one writer per annotation)
             annotate_sessions_with(
                 &mut self.store,
                 &ids,
-                &value_head,
+                None,
                 self.active.as_ref().map(|a| a.0),
-                info_gain,
+                InfoGainSource::Scored(&scored),
                 &AnnotateConfig {
                     ig_context: self.cfg.ig_context,
                     ig_policy: self.cfg.ig_policy,

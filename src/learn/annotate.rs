@@ -219,7 +219,14 @@ pub fn annotate_sessions(
     cfg: &AnnotateConfig,
 ) -> Result<AnnotateSummary> {
     let info_gain = engine.map_or(InfoGainSource::Off, InfoGainSource::Engine);
-    annotate_sessions_with(store, session_ids, value_head, producer_id, info_gain, cfg)
+    annotate_sessions_with(
+        store,
+        session_ids,
+        Some(value_head),
+        producer_id,
+        info_gain,
+        cfg,
+    )
 }
 
 /// Where the information gain's reference log-probs come from.
@@ -235,14 +242,16 @@ pub enum InfoGainSource<'a> {
     Scored(&'a std::collections::HashMap<i64, Vec<f64>>),
 }
 
-/// [`annotate_sessions`] with the reference log-probs from `info_gain`.
+/// [`annotate_sessions`] with the reference log-probs from `info_gain`; without a value head
+/// only information gain is written (an update computes the success contribution of its
+/// parent's value head itself and writes it then: one writer of each annotation).
 ///
 /// # Errors
 /// Store and engine errors; a scored session whose log-probs do not match its assistant turns.
 pub fn annotate_sessions_with(
     store: &mut Store,
     session_ids: &[i64],
-    value_head: &Adapter,
+    value_head: Option<&Adapter>,
     producer_id: Option<i64>,
     info_gain: InfoGainSource<'_>,
     cfg: &AnnotateConfig,
@@ -260,9 +269,11 @@ pub fn annotate_sessions_with(
         let mut rows = Vec::new();
         // value of the state before each assistant turn: its first sampling position
         let mut states = Vec::new();
-        for t in turns.iter().filter(|t| t.role == Role::Assistant) {
-            if let Some(f) = store.features(t.id)? {
-                states.push((t.id, value_head.value(&f.values[..f.n_embd]) as f64));
+        if let Some(value_head) = value_head {
+            for t in turns.iter().filter(|t| t.role == Role::Assistant) {
+                if let Some(f) = store.features(t.id)? {
+                    states.push((t.id, value_head.value(&f.values[..f.n_embd]) as f64));
+                }
             }
         }
         let outcome = s.ended_at.as_ref().and(s.outcome_reward);
