@@ -274,8 +274,53 @@ fn import_train_activate_chat_and_roll_back_through_the_cli() {
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     run(&["import", file.to_str().unwrap()]);
-    let out = run(&["train", "--algo", "sft", "--epochs", "3", "--activate"]);
-    assert!(out.contains("adapter 1 is active"), "{out}");
+    // `--activate` runs the gate: with a KL bound of 0 any update is refused, stays inactive,
+    // is recorded rejected, and cannot be activated by hand either
+    let refused = turnwise(&db)
+        .args([
+            "train",
+            "--algo",
+            "sft",
+            "--epochs",
+            "3",
+            "--activate",
+            "--gate-kl",
+            "0",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(3), "{}", show(&refused));
+    assert!(show(&refused).contains("--force"), "{}", show(&refused));
+    assert!(!Store::open(&db)
+        .unwrap()
+        .active_adapter()
+        .unwrap()
+        .is_some());
+    let again = turnwise(&db)
+        .args(["adapters", "activate", "1"])
+        .output()
+        .unwrap();
+    assert!(
+        !again.status.success() && show(&again).contains("rejected"),
+        "{}",
+        show(&again)
+    );
+    let out = run(&[
+        "train",
+        "--algo",
+        "sft",
+        "--epochs",
+        "3",
+        "--activate",
+        "--gate-kl",
+        "0",
+        "--force",
+    ]);
+    assert!(
+        out.contains("adapter 2 is active (forced past the gate)"),
+        "{out}"
+    );
     assert!(run(&["adapters", "list"]).contains("active"));
     // chat samples with the active adapter and stamps it on the turn
     let mut child = turnwise(&db)
@@ -304,7 +349,7 @@ fn import_train_activate_chat_and_roll_back_through_the_cli() {
         .into_iter()
         .find(|t| t.role == turnwise::Role::Assistant)
         .unwrap();
-    assert_eq!(reply.adapter_id, Some(1), "{}", show(&out));
+    assert_eq!(reply.adapter_id, Some(2), "{}", show(&out));
     drop(store);
     let out = run(&["annotate", "--fit-value", "--value-steps", "50"]);
     assert!(
@@ -319,5 +364,9 @@ fn import_train_activate_chat_and_roll_back_through_the_cli() {
     // nothing was lost on the way
     let store = Store::open(&db).unwrap();
     assert_eq!(store.sessions(None, 100).unwrap().len(), 13);
-    assert_eq!(store.adapters().unwrap().len(), 3, "sft, value fit, grpo");
+    assert_eq!(
+        store.adapters().unwrap().len(),
+        4,
+        "sft refused, sft forced, value fit, grpo"
+    );
 }

@@ -15,7 +15,7 @@ use turnwise::learn::annotate::{
     annotate_sessions, AnnotateConfig, IgBaseline, IgContext, IgPolicy, IgSpace,
 };
 use turnwise::learn::objective::{Aggregation, ClipMode, Granularity};
-use turnwise::learn::{run_update, AdvantageMode, Algo, Backend, Selection, TrainConfig};
+use turnwise::learn::{gate, run_update, AdvantageMode, Algo, Backend, Selection, TrainConfig};
 use turnwise::policy::OutputHead;
 use turnwise::store::{Source, Store};
 
@@ -150,9 +150,17 @@ pub struct TrainArgs {
     /// Start from a fresh adapter instead of the active one
     #[arg(long)]
     fresh: bool,
-    /// Activate the candidate when the update succeeds
+    /// Activate the candidate when it passes the gate: |approx KL| to its parent within
+    /// --gate-kl and the value head's mean success estimate on the selected sessions no more
+    /// than 0.02 below the parent's (the server's background learner applies the same gate)
     #[arg(long)]
     activate: bool,
+    /// With --activate: activate even when the gate refuses the candidate
+    #[arg(long, requires = "activate")]
+    force: bool,
+    /// The gate's bound on |approx KL| of the candidate to its parent
+    #[arg(long, default_value_t = 0.05)]
+    gate_kl: f64,
 }
 
 /// Options of `turnwise annotate`.
@@ -282,10 +290,13 @@ enum AdaptersCmd {
         /// adapter id
         id: i64,
     },
-    /// Make an adapter the one the policy samples with
+    /// Make an adapter the one the policy samples with (checked against the model first)
     Activate {
         /// adapter id
         id: i64,
+        /// GGUF model it must fit [default: the default model]
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
     },
     /// Return to the adapter active before the current one (or the base model)
     Rollback,
@@ -383,6 +394,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     } else {
         active_adapter(&store)?
     };
+    let gate_parent = parent.clone();
     let sel = Selection {
         source: parse_source(args.sel.source.as_deref())?,
         since: args.sel.since.clone(),
@@ -412,11 +424,58 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     let id = report.adapter_id.unwrap_or_default();
     println!("update {} wrote candidate adapter {id}", report.update_id);
     println!("{}", serde_json::to_string_pretty(&report.diagnostics)?);
-    if args.activate {
-        store.activate_adapter(id)?;
-        println!("adapter {id} is active");
+    if !args.activate {
+        return Ok(ExitCode::SUCCESS);
     }
+    // the same gate as the server's learner: KL bound, then the value check
+    let kl = report.diagnostics["approx_kl"].as_f64().unwrap_or(f64::NAN);
+    let verdict = if gate::kl_passes(kl, args.gate_kl) {
+        let cand = Adapter::load(&turnwise::adapter::adapter_dir(db, id))?;
+        let value = gate::value_check(
+            &store,
+            &cand,
+            gate_parent.as_ref().map(|p| p.1.as_ref()),
+            sel.source,
+            gate::VALUE_SESSIONS,
+        )?;
+        gate::judge(kl, args.gate_kl, Some(value), None)
+    } else {
+        gate::judge(kl, args.gate_kl, None, None)
+    };
+    println!("gate: {}", serde_json::to_string(&verdict)?);
+    if !verdict.passed && !args.force {
+        gate::record(&store, id, &verdict)?;
+        eprintln!(
+            "adapter {id} failed the gate ({}); it stays inactive (--force activates it anyway)",
+            verdict.reason.as_deref().unwrap_or("")
+        );
+        return Ok(ExitCode::from(3));
+    }
+    if verdict.passed {
+        gate::record(&store, id, &verdict)?;
+    }
+    activate_checked(&mut store, id, &head)?;
+    println!(
+        "adapter {id} is active{}",
+        if verdict.passed {
+            ""
+        } else {
+            " (forced past the gate)"
+        }
+    );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Activates `id` after checking it against the model's output head (`learn::gate::activate`;
+/// nothing is served in this process, so there is nothing to restore when the write fails).
+fn activate_checked(store: &mut Store, id: i64, head: &OutputHead) -> anyhow::Result<()> {
+    gate::activate(
+        store,
+        id,
+        |a| a.check_model(head.n_embd(), head.n_vocab()),
+        || Ok(()),
+    )?;
+    Ok(())
 }
 
 /// Lists, shows, activates or rolls back adapters.
@@ -443,11 +502,10 @@ pub fn adapters(args: AdaptersArgs, db: &Path) -> anyhow::Result<ExitCode> {
         AdaptersCmd::Show { id } => {
             println!("{}", serde_json::to_string_pretty(&store.adapter(id)?)?)
         }
-        AdaptersCmd::Activate { id } => {
-            let rec = store.adapter(id)?;
-            Adapter::load(Path::new(&rec.path))
-                .with_context(|| format!("adapter {id} is not loadable"))?;
-            store.activate_adapter(id)?;
+        AdaptersCmd::Activate { id, model } => {
+            let model = assets::resolve_model(model.as_deref(), false)?;
+            let head = OutputHead::from_gguf(&model)?;
+            activate_checked(&mut store, id, &head)?;
             println!("adapter {id} is active");
         }
         AdaptersCmd::Rollback => match store.rollback_adapter()? {

@@ -24,12 +24,12 @@ use crate::experience::{EntryRow, Evolution, Library, LibraryConfig};
 use crate::learn::annotate::{
     annotate_sessions_with, AnnotateConfig, IgContext, IgPolicy, InfoGainSource,
 };
-use crate::learn::{run_update, Algo, Selection, TrainConfig};
+use crate::learn::{gate, run_update, Algo, Selection, TrainConfig};
 use crate::policy::sampler::Rng;
 use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams};
 use crate::replay::{rescore_conversation, store_rescored, Conversation};
 use crate::session::turns_from_generation;
-use crate::store::{AdapterStatus, NewSession, Source, Store};
+use crate::store::{NewSession, Source, Store};
 
 /// The base model is evaluated on the first this-many held-out scenarios only: it never writes an
 /// action (docs/findings.md), and its rambling replies make each session the slowest of the run.
@@ -914,9 +914,16 @@ impl<'a> Demo<'a> {
     }
 
     fn activate(&mut self, id: i64) -> Result<()> {
-        let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, id))?);
-        self.store.activate_adapter(id)?;
-        self.set_adapter(Some((id, ad.clone())))?;
+        let (engines, previous) = (self.engines, self.active.clone());
+        let on_all = |a: Option<(i64, Arc<Adapter>)>| {
+            engines.iter().try_for_each(|e| e.set_adapter(a.clone()))
+        };
+        let ad = gate::activate(
+            &mut self.store,
+            id,
+            |a| on_all(Some((id, a))),
+            || on_all(previous),
+        )?;
         self.active = Some((id, ad));
         self.on_policy = 0;
         Ok(())
@@ -970,7 +977,7 @@ impl<'a> Demo<'a> {
     /// have chosen another token somewhere along the candidate's session (the rest are the
     /// same sessions); the iteration's `gate_replayed` says how many. The engine is back on the
     /// active adapter, without a shadow, afterwards.
-    fn validation_gate(&mut self, candidate: i64) -> Result<[(f64, f64); 2]> {
+    fn validation_gate(&mut self, candidate: i64) -> Result<gate::Validation> {
         let mut scenarios: Vec<Scenario> = if self.cfg.stratify {
             env::stratified(&mut self.val_rng, Split::Validation, self.cfg.val_scenarios)
         } else {
@@ -1011,11 +1018,16 @@ impl<'a> Demo<'a> {
         let mean = |v: &[(bool, f64)]| {
             let n = v.len().max(1) as f64;
             let s = v.iter().filter(|x| x.0).count() as f64;
-            (s / n, v.iter().map(|x| x.1).sum::<f64>() / n)
+            gate::Score {
+                success: s / n,
+                reward: v.iter().map(|x| x.1).sum::<f64>() / n,
+            }
         };
-        let c = mean(&cand.iter().map(|c| (c.0, c.1)).collect::<Vec<_>>());
-        let a = mean(&current);
-        Ok([c, a])
+        Ok(gate::Validation {
+            candidate: mean(&cand.iter().map(|c| (c.0, c.1)).collect::<Vec<_>>()),
+            active: mean(&current),
+            scenarios: scenarios.len(),
+        })
     }
 
     /// Greedy evaluation of the current adapter on the held-out set.
@@ -1287,43 +1299,27 @@ impl<'a> Demo<'a> {
                 update_id = Some(r.update_id);
                 candidate = r.adapter_id;
                 diagnostics = r.diagnostics;
-                let kl = diagnostics["approx_kl"].as_f64().unwrap_or(f64::NAN).abs();
+                let kl = diagnostics["approx_kl"].as_f64().unwrap_or(f64::NAN);
                 if let Some(id) = candidate {
-                    if kl.is_finite() && kl <= self.cfg.gate_kl {
-                        let passes = if self.cfg.val_scenarios > 0 {
-                            let v = self.validation_gate(id)?;
-                            validation = Some(v);
-                            let [(cs, cr), (as_, ar)] = v;
-                            cs > as_ || cs == as_ && cr >= ar
-                        } else {
-                            true
-                        };
-                        if passes {
-                            self.activate(id)?;
-                            activated = true;
-                        } else if let Some([(cs, cr), (as_, ar)]) = validation {
-                            let gate = json!({"gate": {"validation": {
-                                "candidate": {"success": cs, "reward": cr},
-                                "active": {"success": as_, "reward": ar},
-                                "scenarios": self.cfg.val_scenarios}}});
-                            self.store.set_adapter_status(
-                                id,
-                                AdapterStatus::Rejected,
-                                Some(&gate),
-                            )?;
-                            note = Some(format!(
-                                "gate: validation success {:.0} % < active {:.0} % (or equal, reward {cr:.3} < {ar:.3})",
-                                cs * 100.0,
-                                as_ * 100.0
-                            ));
-                        }
+                    // the KL bound first (free), then the validation comparison (played)
+                    let v = if gate::kl_passes(kl, self.cfg.gate_kl) && self.cfg.val_scenarios > 0 {
+                        Some(self.validation_gate(id)?)
                     } else {
-                        self.store.set_adapter_status(
-                            id,
-                            AdapterStatus::Rejected,
-                            Some(&json!({"gate": {"approx_kl": kl, "bound": self.cfg.gate_kl}})),
-                        )?;
-                        note = Some(format!("gate: |approx KL| {kl:.4} > {}", self.cfg.gate_kl));
+                        None
+                    };
+                    let verdict = gate::judge(kl, self.cfg.gate_kl, None, v);
+                    validation = v.map(|v| {
+                        [
+                            (v.candidate.success, v.candidate.reward),
+                            (v.active.success, v.active.reward),
+                        ]
+                    });
+                    gate::record(&self.store, id, &verdict)?;
+                    if verdict.passed {
+                        self.activate(id)?;
+                        activated = true;
+                    } else {
+                        note = verdict.reason.map(|r| format!("gate: {r}"));
                     }
                 }
             }

@@ -3,6 +3,7 @@
 //! - [`advantages`]: GRPO / Dr.GRPO outcome normalisation, DAPO filtering, A²TGPO turn-level
 //!   advantages — pure functions with hand-computed tests;
 //! - [`annotate`]: step-level credit — value-head success contribution, information gain;
+//! - [`gate`]: the gate a candidate passes and the one function that activates an adapter;
 //! - [`groups`]: group keys for live traffic by leader clustering of opening states;
 //! - [`objective`]: the clipped surrogate (token / sequence / turn ratios; fixed / adaptive /
 //!   advantage-scaled clips; four aggregations; TIS; k3 KL) and the output-LoRA backward,
@@ -11,6 +12,7 @@
 
 pub mod advantages;
 pub mod annotate;
+pub mod gate;
 pub mod groups;
 pub mod objective;
 pub mod update;

@@ -27,7 +27,7 @@ use tokio::sync::Semaphore;
 use self::openai::{error_body, ChatRequest, FeedbackRequest, Usage};
 use crate::adapter::Adapter;
 use crate::error::Error;
-use crate::learn::{run_update, Algo, Selection, TrainConfig};
+use crate::learn::{gate, run_update, Algo, Selection, TrainConfig};
 use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams, StopReason};
 use crate::session::turns_from_generation;
 use crate::store::{AdapterStatus, NewSession, Source, Store};
@@ -837,6 +837,7 @@ async fn adapters(State(st): State<Arc<AppState>>) -> ApiResult<Json<Value>> {
     ))
 }
 
+/// Puts the engine (and `active`) on adapter `id` as the store records it.
 fn switch_to(st: &AppState, id: Option<i64>) -> crate::Result<()> {
     let adapter = match id {
         Some(id) => {
@@ -854,17 +855,22 @@ fn switch_to(st: &AppState, id: Option<i64>) -> crate::Result<()> {
 }
 
 async fn activate(State(st): State<Arc<AppState>>, Path(id): Path<i64>) -> ApiResult<Json<Value>> {
-    let rec = st.store().adapter(id)?;
-    let adapter = Adapter::load(std::path::Path::new(&rec.path))
-        .map_err(|e| ApiError::bad(format!("adapter {id} is not loadable: {e}")))?;
     let previous = *st.active.lock().unwrap_or_else(|p| p.into_inner());
-    // the engine checks the adapter against the model first; only then is it written active
-    tokio::task::block_in_place(|| st.engine.set_adapter(Some((id, Arc::new(adapter)))))
-        .map_err(|e| ApiError::bad(format!("adapter {id} does not fit the model: {e}")))?;
-    if let Err(e) = st.store().activate_adapter(id) {
-        tokio::task::block_in_place(|| switch_to(&st, previous))?;
-        return Err(e.into());
-    }
+    // checked by the engine first, written active after (learn::gate::activate)
+    tokio::task::block_in_place(|| {
+        // its own connection: the handlers' shared one stays free for `restore`
+        let mut store = Store::open(&st.cfg.db)?;
+        gate::activate(
+            &mut store,
+            id,
+            |a| st.engine.set_adapter(Some((id, a))),
+            || switch_to(&st, previous),
+        )
+    })
+    .map_err(|e| match e {
+        crate::Error::NotFound(_) => ApiError::from(e),
+        e => ApiError::bad(e.to_string()),
+    })?;
     *st.active.lock().unwrap_or_else(|p| p.into_inner()) = Some(id);
     Ok(Json(json!({"active": id})))
 }
@@ -1054,49 +1060,34 @@ pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
     };
     // gate: the KL to the parent on the batch (the guard set of logged sessions) is bounded,
     // and the value head's estimate of success does not regress
-    let kl = report.diagnostics["approx_kl"]
-        .as_f64()
-        .unwrap_or(f64::INFINITY)
-        .abs();
-    let cand = Adapter::load(&crate::adapter::adapter_dir(&st.cfg.db, id))?;
-    let (mut v_new, mut v_old, mut n) = (0.0, 0.0, 0usize);
-    {
-        for s in store.training_sessions(Some(Source::Live), None, false, 50)? {
-            for t in store
-                .turns(s.id)?
-                .into_iter()
-                .filter(|t| t.role == Role::Assistant)
-            {
-                if let Some(f) = store.features(t.id)? {
-                    let h = &f.values[..f.n_embd];
-                    v_new += cand.value(h) as f64;
-                    v_old += parent.as_ref().map_or(0.5, |(_, p)| p.value(h) as f64);
-                    n += 1;
-                }
-            }
-        }
-    }
-    let (v_new, v_old) = (v_new / n.max(1) as f64, v_old / n.max(1) as f64);
-    let pass = kl.is_finite() && kl <= st.cfg.gate_kl && v_new >= v_old - 0.02;
-    let gate = json!({"gate": {"kl": kl, "kl_bound": st.cfg.gate_kl, "value_new": v_new, "value_old": v_old, "passed": pass}});
-    let mut metrics = report.diagnostics.clone();
-    if let (Some(m), Some(g)) = (metrics.as_object_mut(), gate.as_object()) {
-        m.extend(g.clone());
-    }
-    if pass {
-        store.set_adapter_status(id, AdapterStatus::Candidate, Some(&metrics))?;
-        // checked by the engine before it is written active
-        st.engine.set_adapter(Some((id, Arc::new(cand))))?;
-        if let Err(e) = store.activate_adapter(id) {
-            switch_to(st, parent.as_ref().map(|p| p.0))?;
-            return Err(e);
-        }
-        *st.active.lock().unwrap_or_else(|p| p.into_inner()) = Some(id);
-        Ok(format!(
-            "adapter {id} passed the gate and is active ({gate})"
-        ))
+    let kl = report.diagnostics["approx_kl"].as_f64().unwrap_or(f64::NAN);
+    let verdict = if gate::kl_passes(kl, st.cfg.gate_kl) {
+        let cand = Adapter::load(&crate::adapter::adapter_dir(&st.cfg.db, id))?;
+        let value = gate::value_check(
+            &store,
+            &cand,
+            parent.as_ref().map(|p| p.1.as_ref()),
+            Some(Source::Live),
+            gate::VALUE_SESSIONS,
+        )?;
+        gate::judge(kl, st.cfg.gate_kl, Some(value), None)
     } else {
-        store.set_adapter_status(id, AdapterStatus::Rejected, Some(&metrics))?;
-        Ok(format!("adapter {id} failed the gate ({gate})"))
+        gate::judge(kl, st.cfg.gate_kl, None, None)
+    };
+    gate::record(&store, id, &verdict)?;
+    let line = serde_json::to_string(&verdict)?;
+    if !verdict.passed {
+        return Ok(format!("adapter {id} failed the gate ({line})"));
     }
+    let previous = parent.as_ref().map(|p| p.0);
+    gate::activate(
+        &mut store,
+        id,
+        |a| st.engine.set_adapter(Some((id, a))),
+        || switch_to(st, previous),
+    )?;
+    *st.active.lock().unwrap_or_else(|p| p.into_inner()) = Some(id);
+    Ok(format!(
+        "adapter {id} passed the gate and is active ({line})"
+    ))
 }

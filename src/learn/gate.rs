@@ -1,0 +1,324 @@
+//! The last two stages of the learning pipeline: the gate a candidate adapter must pass, and
+//! the one way an adapter becomes active.
+//!
+//! Every path that activates an adapter — the server's background learner and its admin API,
+//! the demo, `turnwise train --activate` and `turnwise adapters activate` — goes through
+//! [`activate`]: the adapter is loaded from its directory, handed to whatever will serve it
+//! (the engine checks its shapes against the model), and only then written `active` in the
+//! store; if that write fails, the server is put back on the previous adapter. The gate is
+//! [`judge`]: a bound on the update's approximate KL to its parent, plus, where the caller
+//! measured them, the value head's estimate of success on logged sessions and greedy success
+//! on fresh validation scenarios (docs/learning.md, "The gate").
+
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::adapter::Adapter;
+use crate::error::{Error, Result};
+use crate::policy::Role;
+use crate::store::{AdapterStatus, Source, Store};
+
+/// How much the value head's mean estimate may fall before a candidate is refused.
+pub const VALUE_TOLERANCE: f64 = 0.02;
+
+/// Logged sessions whose assistant turns the value check reads.
+pub const VALUE_SESSIONS: usize = 50;
+
+/// Greedy success and mean reward of one adapter on the validation scenarios.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Score {
+    /// share of scenarios solved
+    pub success: f64,
+    /// mean reward
+    pub reward: f64,
+}
+
+/// The candidate and the active adapter on the same fresh validation scenarios.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Validation {
+    /// the candidate
+    pub candidate: Score,
+    /// the active adapter
+    pub active: Score,
+    /// how many scenarios
+    pub scenarios: usize,
+}
+
+/// The value head's mean success estimate over logged assistant turns, for the candidate and
+/// for its parent (0.5 for no parent: an untrained head's prior).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ValueCheck {
+    /// candidate's mean estimate
+    pub value_new: f64,
+    /// parent's mean estimate
+    pub value_old: f64,
+    /// turns read
+    pub turns: usize,
+}
+
+/// What the gate measured and decided.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GateReport {
+    /// |approx KL| of the update to its parent on its batch
+    pub kl: f64,
+    /// the bound on it
+    pub kl_bound: f64,
+    /// the value check, where it was run
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value: Option<ValueCheck>,
+    /// the validation comparison, where it was run
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub validation: Option<Validation>,
+    /// the verdict
+    pub passed: bool,
+    /// why it failed (None when it passed)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The KL check alone: |kl| must be finite and at most `bound`. Callers run it first, because
+/// it costs nothing and the other checks do.
+pub fn kl_passes(kl: f64, bound: f64) -> bool {
+    kl.abs().is_finite() && kl.abs() <= bound
+}
+
+/// The verdict from what was measured: the KL bound, then the value check (the candidate's
+/// mean estimate may fall at most [`VALUE_TOLERANCE`] below the parent's), then validation
+/// (the candidate's greedy success must beat the active adapter's, or tie it with a reward at
+/// least as high).
+pub fn judge(
+    kl: f64,
+    kl_bound: f64,
+    value: Option<ValueCheck>,
+    validation: Option<Validation>,
+) -> GateReport {
+    let kl = kl.abs();
+    let reason = if !kl_passes(kl, kl_bound) {
+        Some(format!("|approx KL| {kl:.4} > {kl_bound}"))
+    } else if let Some(v) = value.filter(|v| v.value_new < v.value_old - VALUE_TOLERANCE) {
+        Some(format!(
+            "value estimate {:.3} < parent's {:.3} − {VALUE_TOLERANCE}",
+            v.value_new, v.value_old
+        ))
+    } else if let Some(v) = validation.filter(|v| {
+        let (c, a) = (v.candidate, v.active);
+        !(c.success > a.success || c.success == a.success && c.reward >= a.reward)
+    }) {
+        Some(format!(
+            "validation success {:.0} % < active {:.0} % (or equal, reward {:.3} < {:.3})",
+            v.candidate.success * 100.0,
+            v.active.success * 100.0,
+            v.candidate.reward,
+            v.active.reward
+        ))
+    } else {
+        None
+    };
+    GateReport {
+        kl,
+        kl_bound,
+        value,
+        validation,
+        passed: reason.is_none(),
+        reason,
+    }
+}
+
+/// The value check over the assistant turns of the newest `sessions` finished sessions of
+/// `source` that have features.
+///
+/// # Errors
+/// Store errors.
+pub fn value_check(
+    store: &Store,
+    candidate: &Adapter,
+    parent: Option<&Adapter>,
+    source: Option<Source>,
+    sessions: usize,
+) -> Result<ValueCheck> {
+    let (mut v_new, mut v_old, mut n) = (0.0, 0.0, 0usize);
+    for s in store.training_sessions(source, None, false, sessions)? {
+        for t in store
+            .turns(s.id)?
+            .into_iter()
+            .filter(|t| t.role == Role::Assistant)
+        {
+            if let Some(f) = store.features(t.id)? {
+                let h = &f.values[..f.n_embd];
+                v_new += f64::from(candidate.value(h));
+                v_old += parent.map_or(0.5, |p| f64::from(p.value(h)));
+                n += 1;
+            }
+        }
+    }
+    let d = n.max(1) as f64;
+    Ok(ValueCheck {
+        value_new: v_new / d,
+        value_old: v_old / d,
+        turns: n,
+    })
+}
+
+/// Records the gate's verdict with the adapter: its metrics gain `gate`, its status stays
+/// `candidate` when it passed (the caller activates it) and becomes `rejected` when it failed.
+///
+/// # Errors
+/// Store errors.
+pub fn record(store: &Store, id: i64, report: &GateReport) -> Result<()> {
+    let mut metrics = store.adapter(id)?.metrics;
+    if !metrics.is_object() {
+        metrics = serde_json::json!({});
+    }
+    metrics["gate"] = serde_json::to_value(report)?;
+    let status = if report.passed {
+        AdapterStatus::Candidate
+    } else {
+        AdapterStatus::Rejected
+    };
+    store.set_adapter_status(id, status, Some(&metrics))
+}
+
+/// Makes adapter `id` the active one: loads it from its directory, refuses it when it is not
+/// finite, hands it to `serve` (an engine's `set_adapter`, which checks its shapes against the
+/// model; a closure that only checks, for a process that serves nothing), and only then writes
+/// it `active`. When that write fails, `restore` puts the server back on what it served before.
+/// Returns the loaded adapter.
+///
+/// # Errors
+/// An unknown id, an adapter that is not fully written, not loadable, not finite or refused by
+/// `serve`; store errors (after `restore`).
+pub fn activate(
+    store: &mut Store,
+    id: i64,
+    serve: impl FnOnce(Arc<Adapter>) -> Result<()>,
+    restore: impl FnOnce() -> Result<()>,
+) -> Result<Arc<Adapter>> {
+    let rec = store.adapter(id)?;
+    match rec.status {
+        AdapterStatus::Writing => {
+            return Err(Error::Invalid(format!(
+                "adapter {id} is still being written (or a crash interrupted it)"
+            )))
+        }
+        AdapterStatus::Rejected => return Err(Error::Invalid(format!(
+            "adapter {id} was rejected (see `turnwise adapters show {id}`); it cannot be activated"
+        ))),
+        AdapterStatus::Candidate | AdapterStatus::Active | AdapterStatus::Retired => {}
+    }
+    let adapter = Adapter::load(Path::new(&rec.path))
+        .map_err(|e| Error::Invalid(format!("adapter {id} is not loadable: {e}")))?;
+    if !adapter.is_finite() {
+        return Err(Error::Invalid(format!(
+            "adapter {id} holds non-finite weights"
+        )));
+    }
+    let adapter = Arc::new(adapter);
+    serve(adapter.clone())
+        .map_err(|e| Error::Invalid(format!("adapter {id} does not fit the model: {e}")))?;
+    if let Err(e) = store.activate_adapter(id) {
+        restore()?;
+        return Err(e);
+    }
+    Ok(adapter)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn score(success: f64, reward: f64) -> Score {
+        Score { success, reward }
+    }
+
+    #[test]
+    fn the_gate_checks_kl_then_value_then_validation() {
+        // KL: |−0.1| ≤ 0.2 passes, 0.3 and NaN fail
+        assert!(judge(-0.1, 0.2, None, None).passed);
+        let r = judge(0.3, 0.2, None, None);
+        assert!(!r.passed && r.reason.as_deref().unwrap_or("").contains("KL"));
+        assert!(!judge(f64::NAN, 0.2, None, None).passed);
+        // value: 0.48 against 0.5 is within the 0.02 tolerance, 0.47 is not
+        let v = |new, old| ValueCheck {
+            value_new: new,
+            value_old: old,
+            turns: 10,
+        };
+        assert!(judge(0.0, 0.2, Some(v(0.485, 0.5)), None).passed);
+        let r = judge(0.0, 0.2, Some(v(0.47, 0.5)), None);
+        assert!(!r.passed && r.reason.as_deref().unwrap_or("").contains("value"));
+        // validation: more success passes; equal success needs reward at least as high
+        let val = |c: Score, a: Score| Validation {
+            candidate: c,
+            active: a,
+            scenarios: 32,
+        };
+        assert!(judge(0.0, 0.2, None, Some(val(score(0.5, 0.1), score(0.4, 0.9)))).passed);
+        assert!(judge(0.0, 0.2, None, Some(val(score(0.5, 0.3), score(0.5, 0.3)))).passed);
+        assert!(!judge(0.0, 0.2, None, Some(val(score(0.5, 0.2), score(0.5, 0.3)))).passed);
+        assert!(!judge(0.0, 0.2, None, Some(val(score(0.4, 0.9), score(0.5, 0.1)))).passed);
+        // the KL failure is reported even when validation would pass
+        let r = judge(1.0, 0.2, None, Some(val(score(1.0, 1.0), score(0.0, 0.0))));
+        assert!(r.reason.as_deref().unwrap_or("").contains("KL"));
+    }
+
+    #[test]
+    fn activation_writes_active_only_after_the_adapter_is_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("t.db");
+        let mut store = Store::open(&db).unwrap();
+        let write = |store: &mut Store, a: &Adapter| {
+            let id = store
+                .register_adapter(None, |id| {
+                    crate::adapter::adapter_dir(&db, id)
+                        .to_string_lossy()
+                        .into_owned()
+                })
+                .unwrap();
+            a.save(&crate::adapter::adapter_dir(&db, id)).unwrap();
+            store
+                .set_adapter_status(id, AdapterStatus::Candidate, None)
+                .unwrap();
+            id
+        };
+        let a = Adapter::fresh(8, 16, 2, 4.0, 1, "m");
+        let first = write(&mut store, &a);
+        // refused by the server: nothing is written active
+        let e = activate(
+            &mut store,
+            first,
+            |_| Err(Error::Invalid("shape".into())),
+            || Ok(()),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("does not fit"), "{e}");
+        assert!(store.active_adapter().unwrap().is_none());
+        // accepted: active, and the served adapter is the loaded one
+        let mut served = None;
+        activate(
+            &mut store,
+            first,
+            |x| {
+                served = Some(x);
+                Ok(())
+            },
+            || Ok(()),
+        )
+        .unwrap();
+        assert_eq!(store.active_adapter().unwrap().map(|r| r.id), Some(first));
+        assert_eq!(served.map(|x| x.n_embd()), Some(8));
+        // a row still `writing` is refused before anything is loaded
+        let writing = store.register_adapter(None, |_| String::new()).unwrap();
+        let e = activate(&mut store, writing, |_| Ok(()), || Ok(())).unwrap_err();
+        assert!(e.to_string().contains("being written"), "{e}");
+        assert_eq!(store.active_adapter().unwrap().map(|r| r.id), Some(first));
+        // the gate's verdict is recorded with the adapter
+        let second = write(&mut store, &a);
+        record(&store, second, &judge(0.5, 0.2, None, None)).unwrap();
+        let rec = store.adapter(second).unwrap();
+        assert_eq!(rec.status, AdapterStatus::Rejected);
+        assert_eq!(rec.metrics["gate"]["passed"], false);
+        assert_eq!(rec.metrics["gate"]["kl_bound"], 0.2);
+    }
+}
