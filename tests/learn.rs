@@ -197,13 +197,10 @@ fn a_trained_adapter_is_reproduced_from_stored_features() {
     let d = &r.diagnostics;
     eprintln!("update diagnostics: {d}");
     // top-k 40 / top-p 0.95 at temperature 0.8: the learner renormalises over the kept set
-    assert!(
-        d["logp_old_vs_behavior_mean"].as_f64().unwrap() < 1e-3,
-        "{d}"
-    );
-    assert_eq!(d["first_ratio_max_dev"].as_f64(), Some(0.0), "{d}");
+    assert!(d.logp_old_vs_behavior_mean < 1e-3, "{d}");
+    assert_eq!(d.first_ratio_max_dev, Some(0.0), "{d}");
     assert_eq!(
-        d["grouping"], "opening_clusters",
+        d.grouping, "opening_clusters",
         "chat sessions have no group key: {d}"
     );
     let keys: Vec<Option<String>> = store
@@ -465,13 +462,10 @@ fn every_preset_runs_an_update_on_both_backends() {
             let r = train(&mut store, &db, None, &cfg)
                 .unwrap_or_else(|e| panic!("{algo:?} {backend:?}: {e}"));
             let d = &r.diagnostics;
-            assert!(
-                d["loss"].as_f64().unwrap().is_finite(),
-                "{algo:?} {backend:?}: {d}"
-            );
+            assert!(d.loss.is_finite(), "{algo:?} {backend:?}: {d}");
             if algo != Algo::Sft {
                 assert!(
-                    d["first_ratio_max_dev"].as_f64().unwrap() < 1e-6,
+                    d.first_ratio_max_dev.is_some_and(|x| x < 1e-6),
                     "{algo:?} {backend:?}: {d}"
                 );
             }
@@ -490,7 +484,7 @@ fn every_preset_runs_an_update_on_both_backends() {
         cfg.objective.mis = true;
         let r = train(&mut store, &db, None, &cfg)
             .unwrap_or_else(|e| panic!("optional terms {backend:?}: {e}"));
-        assert!(r.diagnostics["loss"].as_f64().unwrap().is_finite());
+        assert!(r.diagnostics.loss.is_finite());
     }
     let n: i64 = store
         .connection()
@@ -613,9 +607,9 @@ fn step_level_credit_is_annotated_queryable_and_feeds_a2tgpo() {
     let mut cfg = TrainConfig::preset(Algo::A2tgpo);
     cfg.epochs = 1;
     let r = train(&mut store, &db, None, &cfg).unwrap();
-    let ps = &r.diagnostics["process_signal"];
+    let ps = &r.diagnostics.process_signal;
     assert!(
-        ps["success_contribution_groups"] == 0 && ps["info_gain_groups"].as_u64() >= Some(1),
+        ps.success_contribution_groups == 0 && ps.info_gain_groups >= 1,
         "every group uses the information gain: {}",
         r.diagnostics
     );
@@ -669,8 +663,8 @@ fn the_optimizer_state_is_carried_from_update_to_update() {
     cfg.keep_optimizer = true;
     let first = train(&mut store, &db, None, &cfg).unwrap();
     let id1 = first.adapter_id.unwrap();
-    assert_eq!(first.diagnostics["optimizer_from_parent"], false);
-    let steps = first.diagnostics["steps"].as_i64().unwrap() as i32;
+    assert_eq!(first.diagnostics.optimizer_from_parent, false);
+    let steps = first.diagnostics.steps as i32;
     assert!(steps > 0);
     assert_eq!(step_of(id1), Some(steps));
     let parent = Some((
@@ -678,11 +672,11 @@ fn the_optimizer_state_is_carried_from_update_to_update() {
         Arc::new(Adapter::load(&adapter_dir(&db, id1)).unwrap()),
     ));
     let second = train(&mut store, &db, parent.clone(), &cfg).unwrap();
-    assert_eq!(second.diagnostics["optimizer_from_parent"], true);
+    assert_eq!(second.diagnostics.optimizer_from_parent, true);
     assert_eq!(step_of(second.adapter_id.unwrap()), Some(2 * steps));
     cfg.keep_optimizer = false;
     let third = train(&mut store, &db, parent, &cfg).unwrap();
-    assert_eq!(third.diagnostics["optimizer_from_parent"], false);
+    assert_eq!(third.diagnostics.optimizer_from_parent, false);
     assert_eq!(step_of(third.adapter_id.unwrap()), None);
 }
 
@@ -702,13 +696,13 @@ fn the_kl_reference_can_be_a_stored_adapter() {
     cfg.lr = 0.0;
     cfg.objective.kl_coef = 0.1;
     let to_base = train(&mut store, &db, parent.clone(), &cfg).unwrap();
-    assert_eq!(to_base.diagnostics["kl_reference"], "base");
-    let kl_base = to_base.diagnostics["kl_ref_k3"].as_f64().unwrap();
+    assert_eq!(to_base.diagnostics.kl_reference, None);
+    let kl_base = to_base.diagnostics.kl_ref_k3;
     assert!(kl_base > 1e-6, "{kl_base}");
     cfg.kl_ref_adapter = Some(id1);
     let to_warm = train(&mut store, &db, parent, &cfg).unwrap();
-    assert_eq!(to_warm.diagnostics["kl_reference"], id1);
-    let kl_warm = to_warm.diagnostics["kl_ref_k3"].as_f64().unwrap();
+    assert_eq!(to_warm.diagnostics.kl_reference, Some(id1));
+    let kl_warm = to_warm.diagnostics.kl_ref_k3;
     assert!(kl_warm.abs() < 1e-9, "{kl_warm}");
     // an unknown reference is an error before anything is written
     let adapters = store.adapters().unwrap().len();
@@ -902,22 +896,18 @@ fn rollouts_at_temperature_07_are_the_policy_the_learner_optimises() {
     let full = full_gap.iter().sum::<f64>() / full_gap.len() as f64;
     let r = train(&mut store, &db, None, &TrainConfig::preset(Algo::A2tgpo)).unwrap();
     let d = &r.diagnostics;
-    let gap = d["logp_old_vs_behavior_mean"].as_f64().unwrap();
+    let gap = d.logp_old_vs_behavior_mean;
     eprintln!(
         "temperature 0.7 over {} tokens: |logp_old - logp_behavior| mean {gap:.2e} (max {}); \
          the temperature-1 softmax was {full:.3} nats away",
         full_gap.len(),
-        d["logp_old_vs_behavior_max"]
+        d.logp_old_vs_behavior_max
     );
     assert!(gap <= 1e-3, "{d}");
     assert!(
         full > 0.05,
         "the tempered policy differs from the softmax: {full}"
     );
-    assert_eq!(d["first_ratio_max_dev"].as_f64(), Some(0.0), "{d}");
-    assert_eq!(
-        d["sampling_temperatures"],
-        serde_json::json!([0.7f32]),
-        "{d}"
-    );
+    assert_eq!(d.first_ratio_max_dev, Some(0.0), "{d}");
+    assert_eq!(d.sampling_temperatures, vec![0.7f32], "{d}");
 }

@@ -428,7 +428,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     // the same gate as the server's learner: KL bound, then the value check
-    let kl = report.diagnostics["approx_kl"].as_f64().unwrap_or(f64::NAN);
+    let kl = report.diagnostics.approx_kl;
     let verdict = if gate::kl_passes(kl, args.gate_kl) {
         let cand = Adapter::load(&turnwise::adapter::adapter_dir(db, id))?;
         let value = gate::value_check(

@@ -24,7 +24,7 @@ use crate::experience::{EntryRow, Evolution, Library, LibraryConfig};
 use crate::learn::annotate::{
     annotate_sessions_with, AnnotateConfig, IgContext, IgPolicy, InfoGainSource,
 };
-use crate::learn::{gate, run_update, Algo, Selection, TrainConfig};
+use crate::learn::{gate, run_update, Algo, Diagnostics, Selection, TrainConfig};
 use crate::policy::sampler::Rng;
 use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams};
 use crate::replay::{rescore_conversation, store_rescored, Conversation};
@@ -307,8 +307,8 @@ pub struct Iteration {
     /// validation gate: (scenarios the active adapter played itself, scenarios); with the
     /// shadow check the others are the candidate's sessions, which it would have played alike
     pub gate_replayed: Option<(usize, usize)>,
-    /// the update's diagnostics
-    pub diagnostics: Value,
+    /// the update's diagnostics (None when it failed)
+    pub diagnostics: Option<Diagnostics>,
     /// what the experience library did with this iteration's sessions
     pub experience: Option<Evolution>,
     /// seconds since the start of the run
@@ -1284,7 +1284,7 @@ impl<'a> Demo<'a> {
             limit: trained_on,
         };
         let (mut update_id, mut candidate, mut activated, mut note, mut diagnostics) =
-            (None, None, false, None, Value::Null);
+            (None, None, false, None, None);
         let mut validation = None;
         match run_update(
             &mut self.store,
@@ -1298,8 +1298,8 @@ impl<'a> Demo<'a> {
             Ok(r) => {
                 update_id = Some(r.update_id);
                 candidate = r.adapter_id;
-                diagnostics = r.diagnostics;
-                let kl = diagnostics["approx_kl"].as_f64().unwrap_or(f64::NAN);
+                let kl = r.diagnostics.approx_kl;
+                diagnostics = Some(r.diagnostics);
                 if let Some(id) = candidate {
                     // the KL bound first (free), then the validation comparison (played)
                     let v = if gate::kl_passes(kl, self.cfg.gate_kl) && self.cfg.val_scenarios > 0 {

@@ -129,28 +129,23 @@ fn training_plot(r: &DemoResult, path: &Path) -> Result<()> {
         ),
         (
             "approx KL to the parent",
-            Box::new(|i| i.diagnostics["approx_kl"].as_f64()),
+            Box::new(|i| i.diagnostics.as_ref().map(|d| d.approx_kl)),
         ),
         (
             "clip fraction (low + high)",
-            Box::new(|i| {
-                Some(
-                    i.diagnostics["clip_frac_low"].as_f64()?
-                        + i.diagnostics["clip_frac_high"].as_f64()?,
-                )
-            }),
+            Box::new(|i| Some(i.diagnostics.as_ref()?.clip_frac())),
         ),
         (
             "turn entropy (nats / token)",
-            Box::new(|i| i.diagnostics["turn_entropy"].as_f64()),
+            Box::new(|i| i.diagnostics.as_ref().map(|d| d.turn_entropy)),
         ),
         (
             "mean |logp_old − logp_behavior|",
-            Box::new(|i| i.diagnostics["logp_old_vs_behavior_mean"].as_f64()),
+            Box::new(|i| i.diagnostics.as_ref().map(|d| d.logp_old_vs_behavior_mean)),
         ),
         (
             "value head AUC (held-out sessions)",
-            Box::new(|i| i.diagnostics["value_auc_heldout"].as_f64()),
+            Box::new(|i| i.diagnostics.as_ref()?.value_auc_heldout),
         ),
     ];
     for (area, (name, f)) in panels.iter().zip(series.iter()) {
@@ -333,12 +328,9 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for i in &r.iterations {
-        let d = &i.diagnostics;
-        let f = |k: &str| d[k].as_f64().map_or("–".into(), |v| format!("{v:.4}"));
-        let clip = match (d["clip_frac_low"].as_f64(), d["clip_frac_high"].as_f64()) {
-            (Some(a), Some(b)) => format!("{:.3}", a + b),
-            _ => "–".into(),
-        };
+        let d = i.diagnostics.as_ref();
+        let f = |v: Option<f64>| v.map_or("–".into(), |v| format!("{v:.4}"));
+        let clip = d.map_or("–".into(), |d| format!("{:.3}", d.clip_frac()));
         let _ = writeln!(
             s,
             "| {} | {} | {} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
@@ -361,11 +353,11 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
                         ))
                 )),
             if i.activated { "yes" } else { "no" },
-            f("approx_kl"),
+            f(d.map(|d| d.approx_kl)),
             clip,
-            f("turn_entropy"),
-            f("logp_old_vs_behavior_mean"),
-            process_signal(&d["process_signal"]),
+            f(d.map(|d| d.turn_entropy)),
+            f(d.map(|d| d.logp_old_vs_behavior_mean)),
+            d.map_or("–".into(), |d| d.process_signal.describe()),
             i.note.as_deref().unwrap_or("")
         );
     }
@@ -443,16 +435,4 @@ pub fn write(r: &DemoResult, dir: &Path) -> Result<Vec<PathBuf>> {
     files.extend(plots);
     files.push(md);
     Ok(files)
-}
-
-/// The process signal an update used, per group: `info gain` / `success contribution` when all
-/// groups used one, else both with their group counts.
-fn process_signal(v: &serde_json::Value) -> String {
-    let n = |k: &str| v[k].as_u64().unwrap_or(0);
-    match (n("info_gain_groups"), n("success_contribution_groups")) {
-        (0, 0) => "–".into(),
-        (_, 0) => "info gain".into(),
-        (0, _) => "success contribution".into(),
-        (ig, sc) => format!("info gain ({ig} groups), success contribution ({sc})"),
-    }
 }

@@ -202,9 +202,11 @@ pub fn activate(
                 "adapter {id} is still being written (or a crash interrupted it)"
             )))
         }
-        AdapterStatus::Rejected => return Err(Error::Invalid(format!(
+        AdapterStatus::Rejected => {
+            return Err(Error::Invalid(format!(
             "adapter {id} was rejected (see `turnwise adapters show {id}`); it cannot be activated"
-        ))),
+        )))
+        }
         AdapterStatus::Candidate | AdapterStatus::Active | AdapterStatus::Retired => {}
     }
     let adapter = Adapter::load(Path::new(&rec.path))

@@ -15,6 +15,7 @@ use super::advantages::{
     a2tgpo, baseline_advantage, gigpo, group_normalize, informative_groups, merge_small_groups,
     observation_groups, windowed_gae,
 };
+use super::diagnostics::{Diagnostics, ProcessSignalGroups};
 use super::objective::{
     aggregation_weights, clip_bounds, group_mean_matrix, lora_class_ce_and_grad,
     lora_loss_and_grad, lora_loss_and_grad_entropy, policy_weights, surrogate, Aggregation,
@@ -361,8 +362,8 @@ pub struct UpdateReport {
     pub update_id: i64,
     /// the candidate adapter written (None when rejected)
     pub adapter_id: Option<i64>,
-    /// every diagnostic of docs/algorithms.md §9 that applies
-    pub diagnostics: serde_json::Value,
+    /// what the update measured
+    pub diagnostics: Diagnostics,
 }
 
 struct TurnData {
@@ -918,10 +919,10 @@ pub fn run_update(
         }
     }
     let ig_groups = group_has_ig.values().filter(|&&v| v).count();
-    let process_signal = json!({
-        "info_gain_groups": ig_groups,
-        "success_contribution_groups": group_has_ig.len() - ig_groups,
-    });
+    let process_signal = ProcessSignalGroups {
+        info_gain_groups: ig_groups,
+        success_contribution_groups: group_has_ig.len() - ig_groups,
+    };
     let (a2, ig_hat) = a2tgpo(&signal, &groups, &r_hat, cfg.gamma, cfg.alpha);
     // the value head's calibration on sessions no update has seen (held out from the parent)
     let (mut vp, mut vy) = (Vec::new(), Vec::new());
@@ -1389,47 +1390,55 @@ pub fn run_update(
         .collect();
     temperatures.sort_by(f32::total_cmp);
     temperatures.dedup();
-    let diagnostics = json!({
-        "sessions": minibatches.iter().map(|m| m.sessions.len()).sum::<usize>(),
-        "tokens": total_tokens,
-        "untrainable_tokens": minibatches
+    let diagnostics = Diagnostics {
+        sessions: minibatches.iter().map(|m| m.sessions.len()).sum::<usize>(),
+        tokens: total_tokens,
+        untrainable_tokens: minibatches
             .iter()
             .map(|m| m.batch.trainable.iter().filter(|&&t| !t).count())
             .sum::<usize>(),
-        "steps": steps,
-        "loss": loss_last,
-        "policy_loss": st.policy_loss,
-        "value_loss": value_loss_last,
-        "approx_kl": st.approx_kl,
-        "kl_ref_k3": st.kl_ref,
-        "kl_reference": cfg.kl_ref_adapter.map_or(json!("base"), |id| json!(id)),
-        "clip_frac_low": st.clip_low_frac,
-        "clip_frac_high": st.clip_high_frac,
-        "clip_scale_mean": st.clip_scale_mean,
-        "ratio_mean": st.ratio_mean,
-        "ratio_max_dev": st.ratio_max_dev,
-        "first_ratio_max_dev": first_ratio_dev,
-        "explained_variance": if ev_den > 0.0 { 1.0 - ev_num / ev_den } else { 0.0 },
-        "grad_norm": grad_norm_last,
-        "lr": cfg.lr,
-        "tokens_per_s": (total_tokens * cfg.epochs) as f64 / secs,
-        "logp_old_vs_behavior_mean": gap_behavior.0 / n_gap.max(1) as f64,
-        "logp_old_vs_behavior_max": gap_behavior.1,
-        "turn_entropy": ent_sum / ent_n.max(1) as f64,
-        "grouping": grouping,
-        "groups": groups.iter().collect::<std::collections::HashSet<_>>().len(),
-        "fallback_sessions": fallback.len(),
-        "sampling_temperatures": temperatures,
-        "seconds": secs,
-        "backend": format!("{:?}", cfg.backend).to_lowercase(),
-        "advantage": format!("{:?}", cfg.advantage).to_lowercase(),
-        "process_signal": process_signal,
-        "value_brier_heldout": value_brier,
-        "value_auc_heldout": value_auc,
-        "value_heldout_states": vp.len(),
-        "device": device_used,
-        "optimizer_from_parent": optimizer_from_parent,
-    });
+        steps,
+        loss: loss_last,
+        policy_loss: st.policy_loss,
+        value_loss: value_loss_last,
+        approx_kl: st.approx_kl,
+        kl_ref_k3: st.kl_ref,
+        kl_reference: cfg.kl_ref_adapter,
+        clip_frac_low: st.clip_low_frac,
+        clip_frac_high: st.clip_high_frac,
+        clip_scale_mean: st.clip_scale_mean,
+        ratio_mean: st.ratio_mean,
+        ratio_max_dev: st.ratio_max_dev,
+        first_ratio_max_dev: first_ratio_dev,
+        explained_variance: if ev_den > 0.0 {
+            1.0 - ev_num / ev_den
+        } else {
+            0.0
+        },
+        grad_norm: grad_norm_last,
+        lr: cfg.lr,
+        tokens_per_s: (total_tokens * cfg.epochs) as f64 / secs,
+        logp_old_vs_behavior_mean: gap_behavior.0 / n_gap.max(1) as f64,
+        logp_old_vs_behavior_max: gap_behavior.1,
+        turn_entropy: ent_sum / ent_n.max(1) as f64,
+        grouping: grouping.to_string(),
+        groups: groups
+            .iter()
+            .collect::<std::collections::HashSet<_>>()
+            .len(),
+        fallback_sessions: fallback.len(),
+        sampling_temperatures: temperatures,
+        seconds: secs,
+        backend: format!("{:?}", cfg.backend).to_lowercase(),
+        advantage: format!("{:?}", cfg.advantage).to_lowercase(),
+        process_signal,
+        value_brier_heldout: value_brier,
+        value_auc_heldout: value_auc,
+        value_heldout_states: vp.len(),
+        device: device_used,
+        optimizer_from_parent,
+    };
+    let diagnostics_json = diagnostics.to_json();
 
     // ---- write the candidate atomically, then register it -------------------------------------
     progress("writing adapter", 0, 1);
@@ -1451,12 +1460,12 @@ pub fn run_update(
         )?;
         return Err(e);
     }
-    store.set_adapter_status(id, AdapterStatus::Candidate, Some(&diagnostics))?;
+    store.set_adapter_status(id, AdapterStatus::Candidate, Some(&diagnostics_json))?;
     let update_id = store.record_update(
         Some(id),
         &format!("{:?}", cfg.algo).to_lowercase(),
         &serde_json::to_value(cfg)?,
-        &diagnostics,
+        &diagnostics_json,
         UpdateStatus::Ok,
     )?;
     // the advantage each turn received in this update

@@ -153,7 +153,7 @@ pub struct AppState {
     queue: Arc<Semaphore>,
     metrics: Metrics,
     active: Mutex<Option<i64>>,
-    last_update: Mutex<Value>,
+    last_update: Mutex<Option<crate::learn::Diagnostics>>,
     next_id: AtomicU64,
 }
 
@@ -201,7 +201,7 @@ impl AppState {
             busy: Mutex::new(std::collections::HashSet::new()),
             metrics: Metrics::default(),
             active: Mutex::new(active),
-            last_update: Mutex::new(json!({})),
+            last_update: Mutex::new(None),
             next_id: AtomicU64::new(0),
         }))
     }
@@ -968,14 +968,14 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         "id of the active adapter (0: none)",
         st.active.lock().map(|a| a.unwrap_or(0)).unwrap_or(0) as f64,
     );
-    for key in [
-        "loss",
-        "approx_kl",
-        "clip_frac_low",
-        "clip_frac_high",
-        "grad_norm",
-    ] {
-        if let Some(v) = last.get(key).and_then(Value::as_f64) {
+    if let Some(d) = &last {
+        for (key, v) in [
+            ("loss", d.loss),
+            ("approx_kl", d.approx_kl),
+            ("clip_frac_low", d.clip_frac_low),
+            ("clip_frac_high", d.clip_frac_high),
+            ("grad_norm", d.grad_norm),
+        ] {
             line(
                 &format!("turnwise_last_update_{key}"),
                 "gauge",
@@ -1054,13 +1054,13 @@ pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
         )?
     };
     st.metrics.updates.fetch_add(1, Ordering::Relaxed);
-    *st.last_update.lock().unwrap_or_else(|p| p.into_inner()) = report.diagnostics.clone();
+    *st.last_update.lock().unwrap_or_else(|p| p.into_inner()) = Some(report.diagnostics.clone());
     let Some(id) = report.adapter_id else {
         return Ok("update wrote no adapter".into());
     };
     // gate: the KL to the parent on the batch (the guard set of logged sessions) is bounded,
     // and the value head's estimate of success does not regress
-    let kl = report.diagnostics["approx_kl"].as_f64().unwrap_or(f64::NAN);
+    let kl = report.diagnostics.approx_kl;
     let verdict = if gate::kl_passes(kl, st.cfg.gate_kl) {
         let cand = Adapter::load(&crate::adapter::adapter_dir(&st.cfg.db, id))?;
         let value = gate::value_check(
