@@ -27,7 +27,9 @@ use crate::graph::step::{OrtStep, StepInputs, StepKind};
 use crate::graph::Device;
 use crate::policy::sampler::Support;
 use crate::policy::OutputHead;
-use crate::store::{AdapterStatus, AnnotationKind, NewAnnotation, Source, Store, UpdateStatus};
+use crate::store::{
+    AdapterStatus, AnnotationKind, CandidateCommit, NewAnnotation, Source, Store, UpdateStatus,
+};
 
 /// The algorithm presets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -1460,38 +1462,38 @@ pub fn run_update(
         )?;
         return Err(e);
     }
-    store.set_adapter_status(id, AdapterStatus::Candidate, Some(&diagnostics_json))?;
-    let update_id = store.record_update(
-        Some(id),
-        &format!("{:?}", cfg.algo).to_lowercase(),
-        &serde_json::to_value(cfg)?,
-        &diagnostics_json,
-        UpdateStatus::Ok,
-    )?;
-    // the advantage each turn received in this update
-    if !sft {
-        let producer = format!("update:{update_id}");
-        let rows: Vec<NewAnnotation> = sessions
+    // the advantage each turn received in this update, and the sessions it used
+    let advantages: Vec<(i64, f64)> = if sft {
+        Vec::new()
+    } else {
+        sessions
             .iter()
             .zip(&turn_adv)
             .enumerate()
             .filter(|(i, _)| keep[*i])
-            .flat_map(|(_, (s, adv))| {
-                s.turns.iter().zip(adv).map(|(t, a)| NewAnnotation {
-                    turn_id: t.turn_id,
-                    kind: AnnotationKind::Advantage,
-                    value: *a,
-                    producer: producer.clone(),
-                })
-            })
-            .collect();
-        store.add_annotations(&rows)?;
-    }
+            .flat_map(|(_, (s, adv))| s.turns.iter().zip(adv).map(|(t, a)| (t.turn_id, *a)))
+            .collect()
+    };
     let learned: Vec<i64> = minibatches
         .iter()
         .flat_map(|m| m.sessions.iter().map(|&i| sessions[i].id))
         .collect();
-    store.mark_learned(&learned)?;
+    let committed = store.commit_candidate(&CandidateCommit {
+        adapter_id: id,
+        algo: &format!("{:?}", cfg.algo).to_lowercase(),
+        config: &serde_json::to_value(cfg)?,
+        diagnostics: &diagnostics_json,
+        advantages: &advantages,
+        learned: &learned,
+    });
+    let update_id = match committed {
+        Ok(u) => u,
+        Err(e) => {
+            let why = json!({"error": e.to_string()});
+            store.set_adapter_status(id, AdapterStatus::Rejected, Some(&why))?;
+            return Err(e);
+        }
+    };
     Ok(UpdateReport {
         update_id,
         adapter_id: Some(id),

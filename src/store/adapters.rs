@@ -180,6 +180,43 @@ impl Store {
         Ok(previous)
     }
 
+    /// The candidate writer's commit: in one transaction, adapter `c.adapter_id` (its files
+    /// already written) becomes a `candidate` with the diagnostics as metrics, the update row
+    /// is recorded, each trained turn's advantage is annotated (producer `update:<id>`) and the
+    /// sessions are stamped learned. A crash leaves either all of it or the `writing` row that
+    /// start-up rejects. Returns the update id.
+    ///
+    /// # Errors
+    /// SQLite errors and non-finite advantages (nothing is written then).
+    pub fn commit_candidate(&mut self, c: &CandidateCommit<'_>) -> Result<i64> {
+        let tx = self.write()?;
+        let metrics = c.diagnostics.to_string();
+        tx.execute(
+            "UPDATE adapters SET status = ?2, metrics = ?3 WHERE id = ?1",
+            params![c.adapter_id, AdapterStatus::Candidate, metrics],
+        )?;
+        tx.execute(
+            "INSERT INTO updates (adapter_id, algo, config, diagnostics, status) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![c.adapter_id, c.algo, c.config.to_string(), metrics, UpdateStatus::Ok],
+        )?;
+        let update_id = tx.last_insert_rowid();
+        let producer = format!("update:{update_id}");
+        let rows: Vec<NewAnnotation> = c
+            .advantages
+            .iter()
+            .map(|&(turn_id, value)| NewAnnotation {
+                turn_id,
+                kind: AnnotationKind::Advantage,
+                value,
+                producer: producer.clone(),
+            })
+            .collect();
+        super::annotations::insert_annotations(&tx, &rows)?;
+        super::sessions::set_learned(&tx, c.learned)?;
+        tx.commit()?;
+        Ok(update_id)
+    }
+
     /// Records an update and returns its id.
     ///
     /// # Errors
@@ -211,4 +248,20 @@ fn adapter_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<AdapterRecord> {
         metrics: serde_json::from_str(&m).unwrap_or(serde_json::Value::Null),
         activated_at: r.get(6)?,
     })
+}
+
+/// What [`Store::commit_candidate`] writes.
+pub struct CandidateCommit<'a> {
+    /// the adapter, registered and fully written
+    pub adapter_id: i64,
+    /// the update's algorithm
+    pub algo: &'a str,
+    /// its configuration
+    pub config: &'a serde_json::Value,
+    /// its diagnostics
+    pub diagnostics: &'a serde_json::Value,
+    /// (turn id, advantage) of every trained turn (empty for SFT)
+    pub advantages: &'a [(i64, f64)],
+    /// sessions it trained on
+    pub learned: &'a [i64],
 }

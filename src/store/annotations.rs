@@ -8,21 +8,8 @@ impl Store {
     /// # Errors
     /// SQLite errors (nothing is written then); [`Error::Invalid`] for a non-finite value.
     pub fn add_annotations(&mut self, rows: &[NewAnnotation]) -> Result<()> {
-        if let Some(bad) = rows.iter().find(|r| !r.value.is_finite()) {
-            return Err(Error::Invalid(format!(
-                "annotation {} of turn {} is not finite",
-                bad.kind, bad.turn_id
-            )));
-        }
         let tx = self.write()?;
-        {
-            let mut st = tx.prepare(
-                "INSERT INTO annotations (turn_id, kind, value, producer) VALUES (?1, ?2, ?3, ?4)",
-            )?;
-            for r in rows {
-                st.execute(params![r.turn_id, r.kind, r.value, r.producer])?;
-            }
-        }
+        insert_annotations(&tx, rows)?;
         tx.commit()?;
         Ok(())
     }
@@ -149,4 +136,21 @@ impl Store {
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
+}
+
+/// Inserts annotations on `conn` (a transaction of the caller's).
+pub(super) fn insert_annotations(conn: &Connection, rows: &[NewAnnotation]) -> Result<()> {
+    if let Some(bad) = rows.iter().find(|r| !r.value.is_finite()) {
+        return Err(Error::Invalid(format!(
+            "annotation {} of turn {} is not finite",
+            bad.kind, bad.turn_id
+        )));
+    }
+    let mut st = conn.prepare(
+        "INSERT INTO annotations (turn_id, kind, value, producer) VALUES (?1, ?2, ?3, ?4)",
+    )?;
+    for r in rows {
+        st.execute(params![r.turn_id, r.kind, r.value, r.producer])?;
+    }
+    Ok(())
 }

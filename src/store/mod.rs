@@ -6,6 +6,7 @@
 //! one transaction, so a turn that was acknowledged survives a crash the next instant.
 
 mod adapters;
+pub use adapters::CandidateCommit;
 mod annotations;
 mod blob;
 mod experience;
@@ -775,6 +776,45 @@ mod tests {
         );
         assert!(s.active_adapter().unwrap().is_none());
         assert_eq!(s.adapter(b).unwrap().path, format!("a/{b}"));
+    }
+
+    #[test]
+    fn a_candidate_commits_whole_or_not_at_all() {
+        let mut s = Store::in_memory().unwrap();
+        let sid = s.create_session(&NewSession::new(Source::Demo)).unwrap();
+        let tid = s.append_turns(sid, &[assistant(vec![1, 2], 0)]).unwrap()[0];
+        let a = s.register_adapter(None, |id| format!("a/{id}")).unwrap();
+        let (config, diag) = (
+            serde_json::json!({"lr": 1}),
+            serde_json::json!({"loss": 0.5}),
+        );
+        let (nan, finite, learned) = ([(tid, f64::NAN)], [(tid, 0.25)], [sid]);
+        let commit = |advantages| CandidateCommit {
+            adapter_id: a,
+            algo: "grpo",
+            config: &config,
+            diagnostics: &diag,
+            advantages,
+            learned: &learned,
+        };
+        // a NaN advantage fails the annotation insert: nothing of the commit is written
+        assert!(s.commit_candidate(&commit(&nan)).is_err());
+        assert_eq!(s.adapter(a).unwrap().status, AdapterStatus::Writing);
+        assert!(s.session(sid).unwrap().learned_at.is_none());
+        let updates: i64 = s
+            .connection()
+            .query_row("SELECT COUNT(*) FROM updates", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(updates, 0);
+        // a finite one writes all of it
+        let u = s.commit_candidate(&commit(&finite)).unwrap();
+        assert_eq!(s.adapter(a).unwrap().status, AdapterStatus::Candidate);
+        assert_eq!(s.adapter(a).unwrap().metrics["loss"], 0.5);
+        assert!(s.session(sid).unwrap().learned_at.is_some());
+        assert_eq!(
+            s.latest_annotation(tid, AnnotationKind::Advantage).unwrap(),
+            Some((0.25, format!("update:{u}")))
+        );
     }
 
     #[test]

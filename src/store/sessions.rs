@@ -110,14 +110,7 @@ impl Store {
     /// SQLite errors.
     pub fn mark_learned(&mut self, session_ids: &[i64]) -> Result<()> {
         let tx = self.write()?;
-        {
-            let mut st = tx.prepare(
-                "UPDATE sessions SET learned_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE id = ?1",
-            )?;
-            for id in session_ids {
-                st.execute([id])?;
-            }
-        }
+        set_learned(&tx, session_ids)?;
         tx.commit()?;
         Ok(())
     }
@@ -394,4 +387,15 @@ impl Store {
             )
             .optional()?)
     }
+}
+
+/// Stamps `learned_at` on sessions, on `conn` (a transaction of the caller's).
+pub(super) fn set_learned(conn: &Connection, session_ids: &[i64]) -> Result<()> {
+    let mut st = conn.prepare(
+        "UPDATE sessions SET learned_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') WHERE id = ?1",
+    )?;
+    for id in session_ids {
+        st.execute([id])?;
+    }
+    Ok(())
 }
