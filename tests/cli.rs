@@ -292,11 +292,11 @@ fn import_train_activate_chat_and_roll_back_through_the_cli() {
         .unwrap();
     assert_eq!(refused.status.code(), Some(3), "{}", show(&refused));
     assert!(show(&refused).contains("--force"), "{}", show(&refused));
-    assert!(!Store::open(&db)
+    assert!(Store::open(&db)
         .unwrap()
         .active_adapter()
         .unwrap()
-        .is_some());
+        .is_none());
     let again = turnwise(&db)
         .args(["adapters", "activate", "1"])
         .output()

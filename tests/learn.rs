@@ -663,7 +663,7 @@ fn the_optimizer_state_is_carried_from_update_to_update() {
     cfg.keep_optimizer = true;
     let first = train(&mut store, &db, None, &cfg).unwrap();
     let id1 = first.adapter_id.unwrap();
-    assert_eq!(first.diagnostics.optimizer_from_parent, false);
+    assert!(!first.diagnostics.optimizer_from_parent);
     let steps = first.diagnostics.steps as i32;
     assert!(steps > 0);
     assert_eq!(step_of(id1), Some(steps));
@@ -672,11 +672,11 @@ fn the_optimizer_state_is_carried_from_update_to_update() {
         Arc::new(Adapter::load(&adapter_dir(&db, id1)).unwrap()),
     ));
     let second = train(&mut store, &db, parent.clone(), &cfg).unwrap();
-    assert_eq!(second.diagnostics.optimizer_from_parent, true);
+    assert!(second.diagnostics.optimizer_from_parent);
     assert_eq!(step_of(second.adapter_id.unwrap()), Some(2 * steps));
     cfg.keep_optimizer = false;
     let third = train(&mut store, &db, parent, &cfg).unwrap();
-    assert_eq!(third.diagnostics.optimizer_from_parent, false);
+    assert!(!third.diagnostics.optimizer_from_parent);
     assert_eq!(step_of(third.adapter_id.unwrap()), None);
 }
 

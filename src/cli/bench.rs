@@ -24,20 +24,36 @@ use super::ModelArgs;
 #[derive(Args)]
 pub struct BenchArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub(super) model: ModelArgs,
     /// Approximate prompt length in tokens
     #[arg(long, default_value_t = 256)]
-    prompt_tokens: usize,
+    pub(super) prompt_tokens: usize,
     /// Tokens generated per measurement
     #[arg(long, default_value_t = 128)]
-    decode_tokens: usize,
+    pub(super) decode_tokens: usize,
     /// Repetitions (the median is reported)
     #[arg(long, default_value_t = 5)]
-    reps: usize,
+    pub(super) reps: usize,
     /// Benchmark the learner's step instead: ONNX Runtime vs ndarray at T = 256 and 1024,
     /// r = 8 and 16, plus the rescoring prefill
     #[arg(long)]
-    train: bool,
+    pub(super) train: bool,
+    /// Benchmark serving instead: completion latency (p50/p99) of `turnwise serve` on
+    /// 127.0.0.1 while background updates run, against the same requests on an idle server
+    #[arg(long, conflicts_with = "train")]
+    pub(super) serve: bool,
+    /// With --serve: requests per phase
+    #[arg(long, default_value_t = 40)]
+    pub(super) requests: usize,
+    /// With --serve: logged sessions with outcomes the updates train on
+    #[arg(long, default_value_t = 24)]
+    pub(super) seed_sessions: usize,
+    /// With --serve: threads of the learner's step
+    #[arg(long, default_value_t = 2)]
+    pub(super) serve_train_threads: usize,
+    /// With --serve: nice value of the learner's thread (0: same priority as serving)
+    #[arg(long, default_value_t = 19)]
+    pub(super) learn_nice: i32,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -52,6 +68,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     if args.train {
         return train(args, verbose);
+    }
+    if args.serve {
+        if args.requests == 0 || args.seed_sessions == 0 {
+            anyhow::bail!("--requests and --seed-sessions must be at least 1");
+        }
+        return super::bench_serve::run(args, verbose);
     }
     let cfg = args.model.engine_config(verbose)?;
     let engine = Engine::start(cfg.clone())?;

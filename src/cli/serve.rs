@@ -69,6 +69,9 @@ pub struct ServeArgs {
     /// Most connections open at once; one more is closed as soon as it is accepted
     #[arg(long, default_value_t = 256)]
     max_connections: usize,
+    /// Nice value of the background learner (0–19; higher leaves more CPU to serving)
+    #[arg(long, default_value_t = 19)]
+    learn_nice: i32,
 }
 
 /// Serves until killed.
@@ -94,6 +97,7 @@ pub fn run(args: ServeArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode
             (args.session_idle_minutes.max(0.0) * 60.0).min(1e9),
         ),
         body_timeout: std::time::Duration::from_secs(args.body_timeout_s.max(1)),
+        learn_nice: args.learn_nice,
     };
     let state = AppState::new(engine, cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -102,19 +102,21 @@ pub fn judge(
             "value estimate {:.3} < parent's {:.3} − {VALUE_TOLERANCE}",
             v.value_new, v.value_old
         ))
-    } else if let Some(v) = validation.filter(|v| {
-        let (c, a) = (v.candidate, v.active);
-        !(c.success > a.success || c.success == a.success && c.reward >= a.reward)
-    }) {
-        Some(format!(
-            "validation success {:.0} % < active {:.0} % (or equal, reward {:.3} < {:.3})",
-            v.candidate.success * 100.0,
-            v.active.success * 100.0,
-            v.candidate.reward,
-            v.active.reward
-        ))
     } else {
-        None
+        validation
+            .filter(|v| {
+                let (c, a) = (v.candidate, v.active);
+                !(c.success > a.success || c.success == a.success && c.reward >= a.reward)
+            })
+            .map(|v| {
+                format!(
+                    "validation success {:.0} % < active {:.0} % (or equal, reward {:.3} < {:.3})",
+                    v.candidate.success * 100.0,
+                    v.active.success * 100.0,
+                    v.candidate.reward,
+                    v.active.reward
+                )
+            })
     };
     GateReport {
         kl,
