@@ -34,4 +34,4 @@ pub mod store;
 
 pub use error::{Error, Result};
 pub use policy::{Engine, EngineConfig, Message, Role, SamplerParams};
-pub use store::{AdapterStatus, AnnotationKind, Source, Store, UpdateStatus};
+pub use store::{AdapterStatus, AnnotationKind, FeedbackKind, Source, Store, UpdateStatus};

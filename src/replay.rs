@@ -14,6 +14,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
 use crate::policy::{Engine, Message, Role};
+use crate::session::Recorder;
 use crate::store::{Behavior, Features, NewSession, NewTurn, Source, Store, TokenLogprobs};
 
 /// One parsed conversation.
@@ -289,7 +290,7 @@ pub fn rescore_conversation(engine: &Engine, c: &Conversation) -> Result<Rescore
 }
 
 /// Stores a rescored conversation as an ended `import` session with its outcome, in one
-/// transaction per write. Returns `None` for a duplicate (same content hash).
+/// transaction ([`Recorder::finished`]). Returns `None` for a duplicate (same content hash).
 ///
 /// # Errors
 /// Store errors.
@@ -299,12 +300,9 @@ pub fn store_rescored(store: &mut Store, r: &RescoredConversation) -> Result<Opt
             return Ok(None);
         }
     }
-    let (id, _) = store.create_session_with_turns(&r.session, &r.rows)?;
-    if let Some(o) = r.outcome {
-        store.add_feedback(id, None, "outcome", Some(o), Some("import"))?;
-    }
-    store.end_session(id)?;
-    Ok(Some(id))
+    let outcome = r.outcome.map(|o| (o, "import"));
+    let (rec, _) = Recorder::finished(store, &r.session, &r.rows, outcome)?;
+    Ok(Some(rec.id()))
 }
 
 /// Imports every line of `input`; bad lines are reported and skipped, good ones imported.

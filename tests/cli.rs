@@ -40,7 +40,7 @@ fn piped_chat_logs_every_turn_and_feedback() {
     let roles: Vec<&str> = turns.iter().map(|t| t.role.as_str()).collect();
     assert_eq!(roles, ["system", "user", "assistant", "user", "assistant"]);
     let fb = store.feedback(first.id).unwrap();
-    assert_eq!(fb[0].kind, "thumb");
+    assert_eq!(fb[0].kind, turnwise::FeedbackKind::Thumb);
     assert_eq!(fb[0].turn_idx, Some(2));
     for t in turns.iter().filter(|t| t.role == turnwise::Role::Assistant) {
         assert_eq!(t.behavior, Some(Behavior::Sampled));

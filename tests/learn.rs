@@ -69,7 +69,7 @@ fn rollouts(
             .unwrap();
         let r = reward(&g.reply.text);
         store
-            .add_feedback(sid, None, "outcome", Some(r), None)
+            .add_feedback(sid, None, turnwise::FeedbackKind::Outcome, Some(r), None)
             .unwrap();
         store.end_session(sid).unwrap();
         out.push((sid, r));
@@ -152,7 +152,13 @@ fn a_trained_adapter_is_reproduced_from_stored_features() {
             .append_turns(sid, &turns_from_generation(&g, &p, engine.info()))
             .unwrap();
         store
-            .add_feedback(sid, None, "outcome", Some(seed as f64 / 2.0), None)
+            .add_feedback(
+                sid,
+                None,
+                turnwise::FeedbackKind::Outcome,
+                Some(seed as f64 / 2.0),
+                None,
+            )
             .unwrap();
         store.end_session(sid).unwrap();
         // recompute the sampler's own distribution from the stored features
@@ -561,7 +567,13 @@ fn step_level_credit_is_annotated_queryable_and_feeds_a2tgpo() {
         }
         engine.close(sid as u64);
         store
-            .add_feedback(sid, None, "outcome", Some((i % 2) as f64), None)
+            .add_feedback(
+                sid,
+                None,
+                turnwise::FeedbackKind::Outcome,
+                Some((i % 2) as f64),
+                None,
+            )
             .unwrap();
         store.end_session(sid).unwrap();
         ids.push(sid);
@@ -889,7 +901,13 @@ fn rollouts_at_temperature_07_are_the_policy_the_learner_optimises() {
             .append_turns(sid, &turns_from_generation(&g, &p, engine.info()))
             .unwrap();
         store
-            .add_feedback(sid, None, "outcome", Some((i % 2) as f64), None)
+            .add_feedback(
+                sid,
+                None,
+                turnwise::FeedbackKind::Outcome,
+                Some((i % 2) as f64),
+                None,
+            )
             .unwrap();
         store.end_session(sid).unwrap();
     }

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use clap::Args;
 use turnwise::policy::{Message, Role, SamplerParams};
-use turnwise::session::turns_from_generation;
+use turnwise::session::{Feedback, Recorder};
 use turnwise::store::{NewSession, Source, Store};
 
 use super::ModelArgs;
@@ -46,7 +46,7 @@ struct Chat<'a> {
     engine: turnwise::Engine,
     store: Store,
     args: &'a ChatArgs,
-    session: Option<i64>,
+    session: Option<Recorder>,
     replies: u64,
     last_assistant_idx: Option<i64>,
     adapter_id: Option<i64>,
@@ -54,9 +54,9 @@ struct Chat<'a> {
 
 impl Chat<'_> {
     fn end(&mut self) -> anyhow::Result<()> {
-        if let Some(id) = self.session.take() {
-            self.store.end_session(id)?;
-            self.engine.close(id as u64);
+        if let Some(rec) = self.session.take() {
+            rec.end(&self.store)?;
+            self.engine.close(rec.id() as u64);
         }
         self.replies = 0;
         self.last_assistant_idx = None;
@@ -84,19 +84,20 @@ impl Chat<'_> {
     fn say(&mut self, text: &str, out: &mut impl Write) -> anyhow::Result<()> {
         self.follow_active_adapter()?;
         let mut messages = Vec::new();
-        let id = match self.session {
-            Some(id) => id,
+        let rec = match self.session {
+            Some(rec) => rec,
             None => {
                 let mut s = NewSession::new(Source::Chat);
                 s.metadata = serde_json::json!({"model": self.engine.info().name});
-                let id = self.store.create_session(&s)?;
-                self.session = Some(id);
+                let rec = Recorder::open(&self.store, &s)?;
+                self.session = Some(rec);
                 if !self.args.system.is_empty() {
                     messages.push(Message::new(Role::System, self.args.system.clone()));
                 }
-                id
+                rec
             }
         };
+        let id = rec.id();
         messages.push(Message::new(Role::User, text));
         let params = SamplerParams {
             temperature: self.args.temperature,
@@ -117,10 +118,8 @@ impl Chat<'_> {
         let gen = worker
             .join()
             .map_err(|_| anyhow::anyhow!("engine call panicked"))??;
-        let info = self.engine.info();
-        let turns = turns_from_generation(&gen, &params, info);
         // the turn is durable before we acknowledge it with the newline
-        let ids = self.store.append_turns(id, &turns)?;
+        let ids = rec.generation(&mut self.store, &gen, &params, self.engine.info())?;
         self.replies += 1;
         let n = self.store.turns(id)?.len() as i64;
         self.last_assistant_idx = Some(n - 1);
@@ -176,17 +175,16 @@ pub fn run(args: ChatArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode>
         if line.is_empty() {
             continue;
         }
-        let feedback =
-            |chat: &mut Chat, kind: &str, value: f64, turn: Option<i64>| -> anyhow::Result<()> {
-                match chat.session {
-                    Some(id) => {
-                        chat.store.add_feedback(id, turn, kind, Some(value), None)?;
-                        eprintln!("(recorded {kind} {value} on session {id})");
-                    }
-                    None => eprintln!("(no session yet: say something first)"),
+        let feedback = |chat: &mut Chat, f: Feedback| -> anyhow::Result<()> {
+            match chat.session {
+                Some(rec) => {
+                    rec.feedback(&mut chat.store, &f)?;
+                    eprintln!("(recorded {f:?} on session {})", rec.id());
                 }
-                Ok(())
-            };
+                None => eprintln!("(no session yet: say something first)"),
+            }
+            Ok(())
+        };
         match line {
             "/quit" | "/exit" => break,
             "/help" => eprintln!("{HELP}"),
@@ -198,17 +196,20 @@ pub fn run(args: ChatArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode>
                 let turn = chat.last_assistant_idx;
                 feedback(
                     &mut chat,
-                    "thumb",
-                    if line == "/good" { 1.0 } else { -1.0 },
-                    turn,
+                    Feedback::Thumb {
+                        turn,
+                        up: line == "/good",
+                        note: None,
+                    },
                 )?;
             }
             "/resolved" | "/unresolved" => {
                 feedback(
                     &mut chat,
-                    "outcome",
-                    if line == "/resolved" { 1.0 } else { 0.0 },
-                    None,
+                    Feedback::Outcome {
+                        value: if line == "/resolved" { 1.0 } else { 0.0 },
+                        note: None,
+                    },
                 )?;
                 chat.end()?;
             }

@@ -28,7 +28,7 @@ use crate::learn::{gate, run_update, Algo, Diagnostics, Selection, TrainConfig};
 use crate::policy::sampler::Rng;
 use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams};
 use crate::replay::{rescore_conversation, store_rescored, Conversation};
-use crate::session::turns_from_generation;
+use crate::session::{Feedback, Recorder};
 use crate::store::{NewSession, Source, Store};
 
 /// The base model is evaluated on the first this-many held-out scenarios only: it never writes an
@@ -558,16 +558,20 @@ pub fn play(
     let after_observation = how.ig_context == IgContext::Observation;
     let adapted = how.ig_policy == IgPolicy::Sampling;
     let mut shadow_agrees: Option<bool> = None;
-    let session_id = match &log {
-        Some(l) => Some(store.create_session(&NewSession {
-            source: Source::Demo,
-            group_key: Some(l.group.clone()),
-            reference: Some(reference.clone()),
-            content_hash: None,
-            metadata: l.metadata.clone(),
-        })?),
+    let recorder = match &log {
+        Some(l) => Some(Recorder::open(
+            store,
+            &NewSession {
+                source: Source::Demo,
+                group_key: Some(l.group.clone()),
+                reference: Some(reference.clone()),
+                content_hash: None,
+                metadata: l.metadata.clone(),
+            },
+        )?),
         None => None,
     };
+    let session_id = recorder.map(|r| r.id());
     let result = (|| {
         for turn in 0.. {
             let injection = match (library, pending.last_mut()) {
@@ -615,9 +619,8 @@ pub fn play(
             if let Some(lp) = reference_logp.as_mut().filter(|_| !after_observation) {
                 lp.push(engine.score_reference_by(context.clone(), true, &reference, adapted)?);
             }
-            if let Some(sid) = session_id {
-                let ids =
-                    store.append_turns(sid, &turns_from_generation(&gen, &p, engine.info()))?;
+            if let Some(rec) = recorder {
+                let ids = rec.generation(store, &gen, &p, engine.info())?;
                 if let (Some(inj), Some(&msg)) = (&injection, ids.iter().rev().nth(1)) {
                     Library::record(store, msg, inj)?;
                 }
@@ -641,9 +644,13 @@ pub fn play(
     })();
     engine.close(key);
     result?;
-    if let Some(sid) = session_id {
-        store.add_feedback(sid, None, "outcome", Some(desk.reward()), Some("demo"))?;
-        store.end_session(sid)?;
+    if let Some(rec) = recorder {
+        let outcome = Feedback::Outcome {
+            value: desk.reward(),
+            note: Some("demo"),
+        };
+        rec.feedback(store, &outcome)?;
+        rec.end(store)?;
     }
     Ok(Played {
         desk,

@@ -29,7 +29,7 @@ use crate::adapter::Adapter;
 use crate::error::Error;
 use crate::learn::{gate, run_update, Algo, Selection, TrainConfig};
 use crate::policy::{Engine, Message, OutputHead, Role, SamplerParams, StopReason};
-use crate::session::turns_from_generation;
+use crate::session::{Feedback, Recorder};
 use crate::store::{AdapterStatus, NewSession, Source, Store};
 
 /// Server settings.
@@ -507,7 +507,7 @@ fn route_session(
     // a new session, or a new branch of one whose history the request does not extend
     let mut s = NewSession::new(Source::Live);
     s.metadata = json!({"client_session_id": id});
-    let store_id = st.store().create_session(&s)?;
+    let store_id = Recorder::open(&st.store(), &s)?.id();
     Ok((
         id,
         LiveSession {
@@ -629,9 +629,8 @@ async fn chat_completions(
             )
             .await?;
         let info = st2.engine.info();
-        let committed = st2
-            .store()
-            .append_turns(live2.store_id, &turns_from_generation(&g, &p2, info));
+        let committed =
+            Recorder::resume(live2.store_id).generation(&mut st2.store(), &g, &p2, info);
         if let Err(e) = committed {
             // the engine's context is ahead of the log: drop it, so that the next request on
             // this session starts again from what the log holds
@@ -759,13 +758,14 @@ async fn feedback(
     body: Body,
 ) -> ApiResult<Json<Value>> {
     let req: FeedbackRequest = read_json(&st, body).await?;
-    let sid = live_session(&st, &id)?;
+    let rec = Recorder::resume(live_session(&st, &id)?);
+    let sid = rec.id();
     let mut store = st.store();
     let mut n = 0;
     if let Some(t) = &req.thumb {
-        let v = match t.as_str() {
-            "up" => 1.0,
-            "down" => -1.0,
+        let up = match t.as_str() {
+            "up" => true,
+            "down" => false,
             _ => return Err(ApiError::bad("thumb must be \"up\" or \"down\"")),
         };
         let turn = match req.turn {
@@ -788,7 +788,8 @@ async fn feedback(
                 .find(|t| t.role == Role::Assistant)
                 .map(|t| t.idx),
         };
-        store.add_feedback(sid, turn, "thumb", Some(v), req.note.as_deref())?;
+        let note = req.note.as_deref();
+        rec.feedback(&mut store, &Feedback::Thumb { turn, up, note })?;
         n += 1;
     }
     if let Some(o) = &req.outcome {
@@ -805,12 +806,19 @@ async fn feedback(
                 ))
             }
         };
-        store.add_feedback(sid, None, "outcome", Some(v), req.note.as_deref())?;
+        let note = req.note.as_deref();
+        rec.feedback(&mut store, &Feedback::Outcome { value: v, note })?;
         n += 1;
     }
     if n == 0 {
         match &req.note {
-            Some(note) => store.add_feedback(sid, req.turn, "note", None, Some(note))?,
+            Some(text) => rec.feedback(
+                &mut store,
+                &Feedback::Note {
+                    turn: req.turn,
+                    text,
+                },
+            )?,
             None => return Err(ApiError::bad("give a thumb, an outcome or a note")),
         }
     }
@@ -823,10 +831,11 @@ async fn end_session(
 ) -> ApiResult<Json<Value>> {
     // ending while a reply is being written would let the finishing job re-open the session
     let _busy = BusyGuard::take(&st, &id).ok_or_else(|| conflict(&id))?;
-    let sid = live_session(&st, &id)?;
+    let rec = Recorder::resume(live_session(&st, &id)?);
+    let sid = rec.id();
     let has_feedback = {
         let store = st.store();
-        store.end_session(sid)?;
+        rec.end(&store)?;
         !store.feedback(sid)?.is_empty()
     };
     st.live().remove(&id);

@@ -152,6 +152,18 @@ text_enum! {
 }
 
 text_enum! {
+    /// What a feedback row says.
+    FeedbackKind {
+        /// thumbs up (1) or down (0) on a turn
+        Thumb = "thumb",
+        /// the session's outcome reward (also stored on the session)
+        Outcome = "outcome",
+        /// free text
+        Note = "note",
+    }
+}
+
+text_enum! {
     /// How an update ended.
     UpdateStatus {
         /// a candidate adapter was written
@@ -467,8 +479,8 @@ pub struct TurnRecord {
 pub struct FeedbackRecord {
     /// turn it concerns, if any
     pub turn_idx: Option<i64>,
-    /// thumb | outcome | note
-    pub kind: String,
+    /// what it says
+    pub kind: FeedbackKind,
     /// value
     pub value: Option<f64>,
     /// note
@@ -691,7 +703,7 @@ mod tests {
                 s.append_turns(sid, &[NewTurn::message(Role::User, "hi", vec![k], 0)])
                     .unwrap();
                 s.append_turns(sid, &[assistant(vec![7, 8], 1)]).unwrap();
-                s.add_feedback(sid, None, "outcome", Some(1.0), None)
+                s.add_feedback(sid, None, FeedbackKind::Outcome, Some(1.0), None)
                     .unwrap();
             }
         };
@@ -734,9 +746,9 @@ mod tests {
         let mut s = Store::in_memory().unwrap();
         let sid = s.create_session(&NewSession::new(Source::Chat)).unwrap();
         let ids = s.append_turns(sid, &[assistant(vec![5], 0)]).unwrap();
-        s.add_feedback(sid, None, "outcome", Some(1.0), None)
+        s.add_feedback(sid, None, FeedbackKind::Outcome, Some(1.0), None)
             .unwrap();
-        s.add_feedback(sid, Some(0), "thumb", Some(-1.0), Some("rude"))
+        s.add_feedback(sid, Some(0), FeedbackKind::Thumb, Some(-1.0), Some("rude"))
             .unwrap();
         assert_eq!(s.session(sid).unwrap().outcome_reward, Some(1.0));
         assert_eq!(s.feedback(sid).unwrap().len(), 2);

@@ -61,7 +61,7 @@ impl Store {
             .optional()?)
     }
 
-    /// Records feedback; `kind = "outcome"` also sets the session's outcome reward.
+    /// Records feedback; an outcome also sets the session's outcome reward.
     ///
     /// # Errors
     /// [`Error::NotFound`]; SQLite errors.
@@ -69,22 +69,12 @@ impl Store {
         &mut self,
         session_id: i64,
         turn_idx: Option<i64>,
-        kind: &str,
+        kind: FeedbackKind,
         value: Option<f64>,
         note: Option<&str>,
     ) -> Result<()> {
         let tx = self.write()?;
-        let n = tx.execute(
-            "UPDATE sessions SET outcome_reward = CASE WHEN ?2 = 'outcome' THEN ?3 ELSE outcome_reward END WHERE id = ?1",
-            params![session_id, kind, value],
-        )?;
-        if n == 0 {
-            return Err(Error::NotFound(format!("session {session_id}")));
-        }
-        tx.execute(
-            "INSERT INTO feedback (session_id, turn_idx, kind, value, note) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![session_id, turn_idx, kind, value, note],
-        )?;
+        insert_feedback(&tx, session_id, turn_idx, kind, value, note)?;
         tx.commit()?;
         Ok(())
     }
@@ -94,14 +84,37 @@ impl Store {
     /// # Errors
     /// [`Error::NotFound`]; SQLite errors.
     pub fn end_session(&self, session_id: i64) -> Result<()> {
-        let n = self.conn.execute(
-            "UPDATE sessions SET ended_at = COALESCE(ended_at, strftime('%Y-%m-%dT%H:%M:%fZ', 'now')) WHERE id = ?1",
-            [session_id],
-        )?;
-        if n == 0 {
-            return Err(Error::NotFound(format!("session {session_id}")));
+        set_ended(&self.conn, session_id)
+    }
+
+    /// A whole finished session in one transaction (imports, rescored demonstrations): the
+    /// session, its turns, its outcome (with a note) when known, and its end. A crash leaves
+    /// all of it or nothing.
+    ///
+    /// # Errors
+    /// SQLite errors and misaligned turns (nothing is written then).
+    pub fn create_finished_session(
+        &mut self,
+        s: &NewSession,
+        turns: &[NewTurn],
+        outcome: Option<(f64, &str)>,
+    ) -> Result<(i64, Vec<i64>)> {
+        let tx = self.write()?;
+        let id = insert_session(&tx, s)?;
+        let ids = insert_turns(&tx, id, turns)?;
+        if let Some((value, note)) = outcome {
+            insert_feedback(
+                &tx,
+                id,
+                None,
+                FeedbackKind::Outcome,
+                Some(value),
+                Some(note),
+            )?;
         }
-        Ok(())
+        set_ended(&tx, id)?;
+        tx.commit()?;
+        Ok((id, ids))
     }
 
     /// Marks sessions as learned from (they become eligible for feature retention).
@@ -396,6 +409,39 @@ pub(super) fn set_learned(conn: &Connection, session_ids: &[i64]) -> Result<()> 
     )?;
     for id in session_ids {
         st.execute([id])?;
+    }
+    Ok(())
+}
+
+fn insert_feedback(
+    conn: &Connection,
+    session_id: i64,
+    turn_idx: Option<i64>,
+    kind: FeedbackKind,
+    value: Option<f64>,
+    note: Option<&str>,
+) -> Result<()> {
+    let n = conn.execute(
+        "UPDATE sessions SET outcome_reward = CASE WHEN ?2 = 'outcome' THEN ?3 ELSE outcome_reward END WHERE id = ?1",
+        params![session_id, kind, value],
+    )?;
+    if n == 0 {
+        return Err(Error::NotFound(format!("session {session_id}")));
+    }
+    conn.execute(
+        "INSERT INTO feedback (session_id, turn_idx, kind, value, note) VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![session_id, turn_idx, kind, value, note],
+    )?;
+    Ok(())
+}
+
+fn set_ended(conn: &Connection, session_id: i64) -> Result<()> {
+    let n = conn.execute(
+        "UPDATE sessions SET ended_at = COALESCE(ended_at, strftime('%Y-%m-%dT%H:%M:%fZ', 'now')) WHERE id = ?1",
+        [session_id],
+    )?;
+    if n == 0 {
+        return Err(Error::NotFound(format!("session {session_id}")));
     }
     Ok(())
 }
