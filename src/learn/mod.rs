@@ -1,18 +1,28 @@
-//! The learner: from logged sessions to a better adapter.
+//! The learner: from logged sessions to a better adapter, in stages a reader can follow.
 //!
-//! - [`advantages`]: GRPO / Dr.GRPO outcome normalisation, DAPO filtering, A²TGPO turn-level
-//!   advantages — pure functions with hand-computed tests;
-//! - [`annotate`]: step-level credit — value-head success contribution, information gain;
-//! - [`diagnostics`]: the typed record of what an update measured;
-//! - [`gate`]: the gate a candidate passes and the one function that activates an adapter;
-//! - [`groups`]: group keys for live traffic by leader clustering of opening states;
-//! - [`objective`]: the clipped surrogate (token / sequence / turn ratios; fixed / adaptive /
-//!   advantage-scaled clips; four aggregations; TIS; k3 KL) and the output-LoRA backward,
-//!   checked against finite differences;
-//! - [`update`]: one update over the store (`turnwise train`), presets and diagnostics.
+//! One update ([`update::run_update`], used by the server's background learner, the demo and
+//! `turnwise train`) runs:
+//!
+//! 1. **batch** — which finished sessions it learns from, in an order independent of logging
+//!    time, and their groups (small groups merged into a fallback group);
+//! 2. **credit** — outcome normalisation per group, the process signal per turn group and the
+//!    advantage estimator; the one writer of the value head's credit annotations;
+//! 3. **step** — minibatches of base logits and features, then AdamW steps of the clipped
+//!    surrogate on ONNX Runtime or the ndarray reference ([`objective`], `graph::step`);
+//! 4. **diagnostics** — one typed [`Diagnostics`] record;
+//! 5. **candidate** — the adapter written atomically, then status, update row, advantages and
+//!    learned stamps committed in one transaction (`Store::commit_candidate`);
+//! 6. **gate** and **activate** ([`gate`]) — the checks a candidate passes and the one function
+//!    that makes an adapter active.
+//!
+//! Alongside: [`advantages`] (pure advantage functions with hand-computed tests), [`annotate`]
+//! (information gain and success contribution for `turnwise annotate` and the demo's
+//! rollouts), [`groups`] (opening-state clusters for live traffic).
 
 pub mod advantages;
 pub mod annotate;
+mod batch;
+mod credit;
 pub mod diagnostics;
 pub mod gate;
 pub mod groups;

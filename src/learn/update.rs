@@ -11,11 +11,9 @@ use ndarray::{Array1, Array2, Axis};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::advantages::{
-    a2tgpo, baseline_advantage, gigpo, group_normalize, informative_groups, merge_small_groups,
-    observation_groups, windowed_gae,
-};
-use super::diagnostics::{Diagnostics, ProcessSignalGroups};
+use super::batch::{self, Batch};
+use super::credit::{self, Credit};
+use super::diagnostics::Diagnostics;
 use super::objective::{
     aggregation_weights, clip_bounds, group_mean_matrix, lora_class_ce_and_grad,
     lora_loss_and_grad, lora_loss_and_grad_entropy, policy_weights, surrogate, Aggregation,
@@ -27,9 +25,7 @@ use crate::graph::step::{OrtStep, StepInputs, StepKind};
 use crate::graph::Device;
 use crate::policy::sampler::Support;
 use crate::policy::OutputHead;
-use crate::store::{
-    AdapterStatus, AnnotationKind, CandidateCommit, NewAnnotation, Source, Store, UpdateStatus,
-};
+use crate::store::{AdapterStatus, CandidateCommit, Source, Store, UpdateStatus};
 
 /// The algorithm presets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -182,17 +178,6 @@ pub struct TrainConfig {
 
 /// The group key of sessions whose own group was too small ([`TrainConfig::min_group_size`]).
 pub const FALLBACK_GROUP: &str = "batch-fallback";
-
-/// A key of a session's content (its turns' tokens) that does not depend on when it was logged.
-fn content_key(s: &SessionData) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    for t in &s.turns {
-        t.observation.hash(&mut h);
-        t.tokens.hash(&mut h);
-    }
-    h.finish()
-}
 
 fn default_min_group_size() -> usize {
     2
@@ -368,31 +353,6 @@ pub struct UpdateReport {
     pub diagnostics: Diagnostics,
 }
 
-struct TurnData {
-    turn_id: i64,
-    /// what the environment said since the previous assistant turn (GiGPO's step groups)
-    observation: Vec<i32>,
-    tokens: Vec<usize>,
-    h: Array2<f32>,
-    logp_behavior: Vec<f32>,
-    /// the temperature the turn was sampled at (1 for rescored turns)
-    temperature: f32,
-    /// per token, where the behaviour distribution had its mass (empty: the whole softmax)
-    support: Vec<Support>,
-    adapter_id: Option<i64>,
-}
-
-struct SessionData {
-    id: i64,
-    /// the session had no group key
-    keyless: bool,
-    /// no earlier update has used this session
-    unseen: bool,
-    group: String,
-    outcome: f64,
-    turns: Vec<TurnData>,
-}
-
 /// A minibatch: flattened tokens, their features, and the base logits computed once.
 struct Minibatch {
     sessions: Vec<usize>,
@@ -522,84 +482,6 @@ fn load_optimizer(dir: &Path, opt: &mut AdamW, vopt: &mut AdamW) -> Result<bool>
     (fresh.t, vfresh.t) = (t, vt);
     (*opt, *vopt) = (fresh, vfresh);
     Ok(true)
-}
-
-fn load_sessions(
-    store: &Store,
-    sel: &Selection,
-    require_outcome: bool,
-    min_outcome: Option<f64>,
-) -> Result<Vec<SessionData>> {
-    let mut out = Vec::new();
-    for s in store.training_sessions(
-        sel.source,
-        sel.since.as_deref(),
-        require_outcome,
-        sel.limit.max(1),
-    )? {
-        let outcome = s.outcome_reward.unwrap_or(0.0);
-        if min_outcome.is_some_and(|m| outcome < m) {
-            continue;
-        }
-        let mut turns = Vec::new();
-        let mut observation = Vec::new();
-        for t in store.turns(s.id)? {
-            if t.role != crate::Role::Assistant {
-                observation.extend_from_slice(&t.token_ids);
-                continue;
-            }
-            let observed = std::mem::take(&mut observation);
-            let (Some(lp), Some(f)) = (store.token_logprobs(t.id)?, store.features(t.id)?) else {
-                continue; // features dropped by gc, or never captured
-            };
-            let n = t.token_ids.len();
-            let h = Array2::from_shape_vec((n, f.n_embd), f.values)
-                .map_err(|e| Error::Corrupt(e.to_string()))?;
-            let (temperature, support) = behaviour_of(&t, lp.support);
-            turns.push(TurnData {
-                observation: observed,
-                turn_id: t.id,
-                tokens: t.token_ids.iter().map(|&x| x as usize).collect(),
-                h,
-                logp_behavior: lp.logp_behavior,
-                temperature,
-                support,
-                adapter_id: t.adapter_id,
-            });
-        }
-        if !turns.is_empty() {
-            out.push(SessionData {
-                id: s.id,
-                keyless: s.group_key.is_none(),
-                unseen: s.learned_at.is_none(),
-                group: s.group_key.clone().unwrap_or_else(|| "batch".into()),
-                outcome,
-                turns,
-            });
-        }
-    }
-    Ok(out)
-}
-
-/// The temperature and per-token support a logged turn was sampled with: rescored turns (and
-/// turns without sampler settings) were scored by the whole softmax at temperature 1; a greedy
-/// turn is a point mass on every token, whatever was stored.
-fn behaviour_of(t: &crate::store::TurnRecord, support: Vec<Support>) -> (f32, Vec<Support>) {
-    let sampled = t.behavior != Some(crate::store::Behavior::Rescored);
-    match t.sampler.as_ref().filter(|_| sampled) {
-        Some(p) if p.temperature <= 0.0 => (
-            1.0,
-            t.token_ids
-                .iter()
-                .map(|&k| Support {
-                    keep: Some(vec![k as u32]),
-                    ..Support::default()
-                })
-                .collect(),
-        ),
-        Some(p) => (p.temperature, support),
-        None => (1.0, Vec::new()),
-    }
 }
 
 /// A logit value no token of a support can lose to: `exp` of it is 0 in f32, and `0 · it` is 0
@@ -756,68 +638,12 @@ pub fn run_update(
         Some(id) => Some(Adapter::load(Path::new(&store.adapter(id)?.path))?),
         None => None,
     };
-    progress("loading sessions", 0, 1);
-    let sessions = load_sessions(
-        store,
-        sel,
-        !sft,
-        if sft { cfg.sft_min_outcome } else { None },
-    )?;
-    if sessions.is_empty() {
-        return Err(Error::Invalid(
-            "no finished sessions with features (and an outcome, for RL) match the selection"
-                .into(),
-        ));
-    }
-    // ---- groups: live sessions without a key are clustered by their opening state ------------
-    let mut sessions = sessions;
-    let ungrouped: Vec<usize> = (0..sessions.len())
-        .filter(|&i| sessions[i].keyless)
-        .collect();
-    let grouping = match cfg.cluster_threshold {
-        Some(th) if !ungrouped.is_empty() && !sft => {
-            let openings: Vec<(i64, Vec<f32>)> = ungrouped
-                .iter()
-                .map(|&i| (sessions[i].id, sessions[i].turns[0].h.row(0).to_vec()))
-                .collect();
-            super::groups::assign_group_keys(store, &openings, th)?;
-            for &i in &ungrouped {
-                if let Some(k) = store.session(sessions[i].id)?.group_key {
-                    sessions[i].group = k;
-                }
-            }
-            if ungrouped.len() == sessions.len() {
-                "opening_clusters"
-            } else {
-                "group_key+opening_clusters"
-            }
-        }
-        _ if ungrouped.len() == sessions.len() => "batch",
-        _ if ungrouped.is_empty() => "group_key",
-        _ => "group_key+batch",
-    };
-    // the batch in an order that does not depend on the order sessions were logged in (two
-    // engines finish rollouts in a timing-dependent order): by group, then by content
-    sessions.sort_by_cached_key(|s| (s.group.clone(), content_key(s)));
-    // groups too small to compare within fall back to one batch-wide group (§7)
-    let (groups, fell_back) = if sft {
-        (
-            sessions.iter().map(|s| s.group.clone()).collect(),
-            vec![false; sessions.len()],
-        )
-    } else {
-        let keys: Vec<String> = sessions.iter().map(|s| s.group.clone()).collect();
-        merge_small_groups(&keys, cfg.min_group_size, FALLBACK_GROUP)
-    };
-    // ---- advantages (outcome, then per turn) -------------------------------------------------
-    let rewards: Vec<f64> = sessions.iter().map(|s| s.outcome).collect();
-    let keep = if cfg.drop_uninformative && !sft {
-        informative_groups(&rewards, &groups)
-    } else {
-        vec![true; sessions.len()]
-    };
-    let success = super::annotate::success_target;
-
+    let Batch {
+        sessions,
+        groups,
+        fell_back,
+        grouping,
+    } = batch::select(store, sel, cfg, &mut progress)?;
     // ---- adapters: the one being trained, and those that generated the turns -------------------
     let n_embd = head.n_embd();
     let mut current = parent
@@ -833,150 +659,25 @@ pub fn run_update(
                 "",
             )
         });
-    // ---- step-level credit: the process signal of A²TGPO ------------------------------------------
-    // information gain when every turn of the session has one (`turnwise annotate` with a
-    // reference), else the success contribution of the parent's value head
-    let state_values: Vec<Vec<f64>> = sessions
-        .iter()
-        .map(|s| {
-            s.turns
-                .iter()
-                .map(|t| current.value(&t.h.row(0).to_vec()) as f64)
-                .collect()
-        })
-        .collect();
-    let mut r_hat = group_normalize(&rewards, &groups, !cfg.dr_grpo);
-    let fallback: Vec<usize> = (0..sessions.len()).filter(|&i| fell_back[i]).collect();
-    if !fallback.is_empty() {
-        let succ: Vec<f64> = fallback.iter().map(|&i| success(rewards[i])).collect();
-        let v0: Vec<f64> = fallback.iter().map(|&i| state_values[i][0]).collect();
-        for (&i, a) in fallback
-            .iter()
-            .zip(baseline_advantage(&succ, &v0, !cfg.dr_grpo))
-        {
-            r_hat[i] = a;
-        }
-    }
-    let mut signal: Vec<Vec<f64>> = Vec::with_capacity(sessions.len());
-    let mut session_ig: Vec<Option<Vec<f64>>> = Vec::with_capacity(sessions.len());
-    let mut credit_rows = Vec::new();
-    let value_producer = format!(
-        "value-head:{}",
-        parent
-            .as_ref()
-            .map(|p| p.0.to_string())
-            .unwrap_or_else(|| "fresh".into())
-    );
-    for (s, values) in sessions.iter().zip(&state_values) {
-        let ig: Option<Vec<f64>> = s
-            .turns
-            .iter()
-            .map(|t| {
-                store
-                    .latest_annotation(t.turn_id, AnnotationKind::InfoGain)
-                    .map(|a| a.map(|x| x.0))
-            })
-            .collect::<Result<Option<Vec<f64>>>>()?;
-        let contrib = super::annotate::success_contribution(values, Some(success(s.outcome)));
-        for (t, (before, after, c)) in s.turns.iter().zip(&contrib) {
-            credit_rows.push(NewAnnotation {
-                turn_id: t.turn_id,
-                kind: AnnotationKind::ValueBefore,
-                value: *before,
-                producer: value_producer.clone(),
-            });
-            if let (Some(a), Some(c)) = (after, c) {
-                credit_rows.push(NewAnnotation {
-                    turn_id: t.turn_id,
-                    kind: AnnotationKind::ValueAfter,
-                    value: *a,
-                    producer: value_producer.clone(),
-                });
-                credit_rows.push(NewAnnotation {
-                    turn_id: t.turn_id,
-                    kind: AnnotationKind::SuccessContribution,
-                    value: *c,
-                    producer: value_producer.clone(),
-                });
-            }
-        }
-        session_ig.push(ig);
-        signal.push(contrib.iter().map(|c| c.2.unwrap_or(0.0)).collect());
-    }
-    if !sft {
-        store.add_annotations(&credit_rows)?;
-    }
-    // one process signal per group: information gain where every session of the group has it
-    // on every turn, else the value head's success contribution for the whole group (the two
-    // live on different scales and never share a turn group)
-    let mut group_has_ig: HashMap<&str, bool> = HashMap::new();
-    for (g, ig) in groups.iter().zip(&session_ig) {
-        *group_has_ig.entry(g.as_str()).or_insert(true) &= ig.is_some();
-    }
-    for ((sig, ig), g) in signal.iter_mut().zip(&mut session_ig).zip(&groups) {
-        if group_has_ig[g.as_str()] {
-            if let Some(ig) = ig.take() {
-                *sig = ig;
-            }
-        }
-    }
-    let ig_groups = group_has_ig.values().filter(|&&v| v).count();
-    let process_signal = ProcessSignalGroups {
-        info_gain_groups: ig_groups,
-        success_contribution_groups: group_has_ig.len() - ig_groups,
-    };
-    let (a2, ig_hat) = a2tgpo(&signal, &groups, &r_hat, cfg.gamma, cfg.alpha);
-    // the value head's calibration on sessions no update has seen (held out from the parent)
-    let (mut vp, mut vy) = (Vec::new(), Vec::new());
-    for (s, values) in sessions.iter().zip(&state_values).filter(|(s, _)| s.unseen) {
-        for v in values {
-            vp.push(*v);
-            vy.push(success(s.outcome) >= 0.5);
-        }
-    }
-    let (value_brier, value_auc) = super::annotate::calibration(&vp, &vy);
-    let turn_adv: Vec<Vec<f64>> = match cfg.advantage {
-        AdvantageMode::A2tgpo => a2,
-        AdvantageMode::Outcome => sessions
-            .iter()
-            .zip(&r_hat)
-            .map(|(s, r)| vec![*r; s.turns.len()])
-            .collect(),
-        AdvantageMode::Gigpo => {
-            let rew: Vec<Vec<f64>> = sessions
-                .iter()
-                .map(|s| {
-                    (0..s.turns.len())
-                        .map(|t| {
-                            if t + 1 == s.turns.len() {
-                                s.outcome
-                            } else {
-                                0.0
-                            }
-                        })
-                        .collect()
-                })
-                .collect();
-            let obs: Vec<Vec<Vec<i32>>> = sessions
-                .iter()
-                .map(|s| s.turns.iter().map(|t| t.observation.clone()).collect())
-                .collect();
-            let keys = observation_groups(&obs, &groups, cfg.gigpo_similarity);
-            gigpo(&rew, &keys, &groups, &r_hat, cfg.gamma, cfg.gigpo_omega)
-        }
-        AdvantageMode::WindowedGae => sessions
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let n = s.turns.len();
-                let rew: Vec<f64> = (0..n)
-                    .map(|t| if t + 1 == n { success(s.outcome) } else { 0.0 })
-                    .collect();
-                let v = &state_values[i];
-                windowed_gae(&rew, v, cfg.gae_window, 1.0, cfg.gae_lambda)
-            })
-            .collect(),
-    };
+    let Credit {
+        keep,
+        turn_adv,
+        ig_hat,
+        process_signal,
+        value_brier,
+        value_auc,
+        value_states,
+        fallback,
+    } = credit::assign(
+        store,
+        &sessions,
+        &groups,
+        &fell_back,
+        &current,
+        parent.as_ref().map(|p| p.0),
+        cfg,
+    )?;
+    let success = super::annotate::success_target;
     let mut generators: HashMap<i64, Adapter> = HashMap::new();
     for s in &sessions {
         for t in &s.turns {
@@ -1436,7 +1137,7 @@ pub fn run_update(
         process_signal,
         value_brier_heldout: value_brier,
         value_auc_heldout: value_auc,
-        value_heldout_states: vp.len(),
+        value_heldout_states: value_states,
         device: device_used,
         optimizer_from_parent,
     };
