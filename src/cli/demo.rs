@@ -204,18 +204,33 @@ impl DemoArgs {
             ($($f:ident => $g:ident),*) => {$(if let Some(v) = self.$f { c.$g = v; })*};
         }
         set!(eval => eval_scenarios, eval_every => eval_every, demos => demos,
-             warm_epochs => warm_epochs, scenarios => scenarios_per_iter, group => group_size,
-             process => process, gate_kl => gate_kl, lr => lr, epochs => epochs,
-             temperature => temperature, val => val_scenarios, adam_eps => adam_eps,
-             kl_warm => kl_warm);
+             scenarios => scenarios_per_iter, group => group_size,
+             process => process, gate_kl => gate_kl,
+             temperature => temperature, val => val_scenarios);
+        // the learner's settings go into the embedded TrainConfigs
+        if let Some(v) = self.warm_epochs {
+            c.warm.epochs = v;
+        }
+        if let Some(v) = self.lr {
+            c.rl.lr = v;
+        }
+        if let Some(v) = self.epochs {
+            c.rl.epochs = v;
+        }
+        if let Some(v) = self.adam_eps {
+            c.rl.adam_eps = v;
+        }
+        if let Some(v) = self.kl_warm {
+            c.rl.objective.kl_coef = v;
+        }
         if self.iterations.is_some() {
             c.max_iterations = self.iterations;
         }
         c.experience = self.experience == OnOff::On;
         if let Some(k) = self.keep_optimizer {
-            c.keep_optimizer = k == OnOff::On;
+            c.rl.keep_optimizer = k == OnOff::On;
         }
-        c.dr_grpo = self.dr_grpo == OnOff::On;
+        c.rl.dr_grpo = self.dr_grpo == OnOff::On;
         c.greedy_digits = self.greedy_digits == OnOff::On;
         c.id_slot = self.id_slot == OnOff::On;
         c.stratify = self.stratify == OnOff::On;
@@ -224,19 +239,19 @@ impl DemoArgs {
         c.shadow_gate = self.shadow_gate == OnOff::On;
         c.ig_context = self.ig_context;
         c.ig_policy = self.ig_policy;
-        if self.eps_low.is_some() || self.eps_high.is_some() {
-            let p = turnwise::learn::TrainConfig::preset(c.algo).objective;
-            c.eps = Some((
-                self.eps_low.unwrap_or(p.eps_low),
-                self.eps_high.unwrap_or(p.eps_high),
-            ));
+        if let Some(v) = self.eps_low {
+            c.rl.objective.eps_low = v;
         }
-        c.warm_digit_class = self.warm_digits == WarmDigits::Class;
+        if let Some(v) = self.eps_high {
+            c.rl.objective.eps_high = v;
+        }
+        c.warm.sft_digit_class = self.warm_digits == WarmDigits::Class;
         if let Some(m) = self.mask_digits {
-            c.mask_digits = m == DigitMask::On;
-            c.mask_negative_digits = m == DigitMask::Negative;
+            c.rl.mask_digits = m == DigitMask::On;
+            c.rl.mask_negative_digits = m == DigitMask::Negative;
         }
-        c.train_threads = usize::try_from(self.model.threads.max(1)).unwrap_or(1);
+        let threads = usize::try_from(self.model.threads.max(1)).unwrap_or(1);
+        (c.rl.threads, c.warm.threads) = (threads, threads);
         if self.no_base_eval {
             c.eval_base = false;
         }
@@ -260,11 +275,10 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     if cfg.minutes.is_some_and(|m| !(m.is_finite() && m > 0.0)) {
         anyhow::bail!("--minutes must be a positive number of minutes");
     }
-    if let Some((lo, hi)) = cfg.eps {
-        if !(lo > 0.0 && lo < 1.0 && hi > 0.0 && hi.is_finite()) {
-            anyhow::bail!("--eps-low must lie in (0, 1) and --eps-high must be positive");
-        }
-    }
+    cfg.rl
+        .validate()
+        .and_then(|()| cfg.warm.validate())
+        .context("the demo's learner settings")?;
     let threads = usize::try_from(args.model.threads).unwrap_or(0);
     let n_engines = args.engines.unwrap_or(threads.clamp(1, 2));
     if n_engines == 0 || n_engines > threads {
@@ -273,7 +287,7 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
             args.model.threads
         );
     }
-    let algo = format!("{:?}", cfg.algo).to_lowercase();
+    let algo = format!("{:?}", cfg.rl.algo).to_lowercase();
     let out = args.out.clone().unwrap_or_else(|| {
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -54,8 +54,13 @@ pub enum ProcessSignal {
 /// Settings of a demo run.
 #[derive(Debug, Clone, Serialize)]
 pub struct DemoConfig {
-    /// RL preset
-    pub algo: Algo,
+    /// the warm start's supervised update: the SFT preset with the demo's epochs, digit
+    /// handling, learner threads and seed
+    pub warm: TrainConfig,
+    /// the RL updates: the preset of `--algo` with the demo's settings ([`DemoConfig::full`]
+    /// says why each differs from the preset); a KL term, when its coefficient is set, pulls
+    /// towards the warm-start adapter
+    pub rl: TrainConfig,
     /// seed of scenarios, sampling and the fresh adapter
     pub seed: u64,
     /// wall-time budget of the whole run in minutes (the RL phase stops early enough to leave
@@ -69,8 +74,6 @@ pub struct DemoConfig {
     pub eval_base: bool,
     /// expert demonstrations for the warm start
     pub demos: usize,
-    /// warm-start epochs
-    pub warm_epochs: usize,
     /// training scenarios per iteration
     pub scenarios_per_iter: usize,
     /// rollouts per scenario (the group)
@@ -112,9 +115,6 @@ pub struct DemoConfig {
     /// customers repeat their request when they give the order id ([`Scenario::restates`]) in
     /// every scenario of the run: demonstrations, rollouts, the gate and the held-out set
     pub restate: bool,
-    /// overrides of the preset's clip range `[1 − ε_low, 1 + ε_high]` (None: the preset's;
-    /// A²TGPO's turn ratios use 3e-3 / 4e-3, the released script's values for long sequences)
-    pub eps: Option<(f64, f64)>,
     /// A²TGPO / ATPO process signal
     pub process: ProcessSignal,
     /// where information gain scores each turn: after its reply and the observation it
@@ -126,10 +126,6 @@ pub struct DemoConfig {
     pub ig_policy: IgPolicy,
     /// largest |approx KL| of an update that may be activated
     pub gate_kl: f64,
-    /// RL learning rate
-    pub lr: f64,
-    /// RL epochs per update
-    pub epochs: usize,
     /// evaluate on the held-out set every this many iterations (0: only at the end)
     pub eval_every: usize,
     /// the experience library: retrieval at every step, evolved after every update
@@ -146,54 +142,45 @@ pub struct DemoConfig {
     /// ([`Engine::set_shadow`]) and replays with the active adapter only the scenarios where its
     /// greedy choice differed somewhere (off: the active adapter plays every scenario itself)
     pub shadow_gate: bool,
-    /// carry the AdamW moments from update to update (saved with each adapter)
-    pub keep_optimizer: bool,
-    /// centre the outcome inside each group without dividing by its std (Dr.GRPO). The desk's
-    /// reward has a format term (−0.1 per malformed call), so in a group where every rollout
-    /// failed the rewards still differ by a tenth or two; dividing by that group's tiny std turns
-    /// "one malformed call fewer" into a full ±1 advantage, as large as a success — about half
-    /// the groups of a run are like that, and they taught `ACTION decline` (always well-formed)
-    /// on refunds. Centred only, such a group weighs a tenth of a group with a success.
-    pub dr_grpo: bool,
-    /// the learner's AdamW ε for RL updates (the warm start always uses 1e-8). At 1e-8 a fresh
-    /// optimizer's first step moves every vocabulary row of the LoRA by the full `lr`, softmax
-    /// tail included; 1e-6 keeps tail tokens still (measured once, with lr 2e-3: worse, README)
-    pub adam_eps: f64,
-    /// k3 KL coefficient towards the warm-start adapter (0: off). Larger RL steps on the
-    /// output-projection LoRA shift digit tokens everywhere and break copying the order id
-    /// (measured: `ACTION status 3999999…`); the KL to the warm start holds every token the
-    /// reward does not explain near what the demonstrations taught
-    pub kl_warm: f64,
-    /// RL gives digit tokens no policy gradient ([`crate::learn::TrainConfig::mask_digits`])
-    pub mask_digits: bool,
-    /// the warm start counts the demonstrations' digits as the digit class
-    /// ([`crate::learn::TrainConfig::sft_digit_class`])
-    pub warm_digit_class: bool,
-    /// RL gives digit tokens policy gradient only in turns with a positive advantage
-    /// ([`crate::learn::TrainConfig::mask_negative_digits`])
-    pub mask_negative_digits: bool,
     /// llama.cpp engines that play sessions side by side (each with its own context and
     /// `threads / engines` threads): on two cores two one-thread engines decode about 1.4× the
     /// tokens per second of one two-thread engine (`turnwise bench --threads 1` twice at once)
     pub engines: usize,
-    /// ONNX Runtime threads of the learner (keep it at llama.cpp's `--threads`: more threads
-    /// than cores make both spin-wait)
-    pub train_threads: usize,
 }
 
 impl DemoConfig {
     /// The full configuration (`turnwise demo`): [`DEFAULT_ITERATIONS`] RL iterations, no
     /// time limit, so that a seed gives the same result on a slower or faster machine.
     pub fn full(algo: Algo, seed: u64) -> Self {
+        let mut warm = TrainConfig::preset(Algo::Sft);
+        warm.epochs = 20;
+        warm.threads = 2;
+        warm.seed = seed;
+        let mut rl = TrainConfig::preset(algo);
+        rl.lr = 1e-3;
+        rl.epochs = 2;
+        rl.threads = 2;
+        rl.seed = seed;
+        // Dr.GRPO: centre each group's outcome without dividing by its std. The desk's reward
+        // has a format term (−0.1 per malformed call), so in a group where every rollout
+        // failed the rewards still differ by a tenth or two; dividing by that group's tiny std
+        // turns "one malformed call fewer" into a full ±1 advantage, as large as a success —
+        // about half the groups of a run are like that, and they taught `ACTION decline`
+        // (always well-formed) on refunds. Centred only, such a group weighs a tenth of a group
+        // with a success.
+        rl.dr_grpo = true;
+        // AdamW ε 1e-8 (1e-6 keeps tail tokens still; measured once with lr 2e-3: worse)
+        rl.adam_eps = 1e-8;
+        rl.keep_optimizer = false;
         DemoConfig {
-            algo,
+            warm,
+            rl,
             seed,
             minutes: None,
             max_iterations: Some(DEFAULT_ITERATIONS),
             eval_scenarios: 50,
             eval_base: true,
             demos: 40,
-            warm_epochs: 20,
             scenarios_per_iter: 16,
             group_size: 4,
             patience: 5,
@@ -204,43 +191,35 @@ impl DemoConfig {
             stratify: false,
             paraphrase: false,
             restate: true,
-            eps: None,
             process: ProcessSignal::InfoGain,
             ig_context: IgContext::Observation,
             ig_policy: IgPolicy::Frozen,
             gate_kl: 0.2,
-            lr: 1e-3,
-            epochs: 2,
             eval_every: 0,
             experience: false,
             val_scenarios: 32,
             shadow_gate: true,
-            keep_optimizer: false,
-            dr_grpo: true,
-            adam_eps: 1e-8,
-            kl_warm: 0.0,
-            mask_digits: false,
-            warm_digit_class: false,
-            mask_negative_digits: false,
             engines: 2,
-            train_threads: 2,
         }
     }
 
     /// A small configuration that finishes in a couple of minutes (plumbing, not learning).
     pub fn quick(algo: Algo, seed: u64) -> Self {
+        let full = DemoConfig::full(algo, seed);
+        let mut warm = full.warm.clone();
+        warm.epochs = 2;
         DemoConfig {
+            warm,
             max_iterations: Some(2),
             eval_scenarios: 4,
             demos: 8,
-            warm_epochs: 2,
             scenarios_per_iter: 2,
             group_size: 2,
             patience: 3,
             max_tokens: 20,
             eval_every: 1,
             val_scenarios: 0,
-            ..DemoConfig::full(algo, seed)
+            ..full
         }
     }
 }
@@ -844,7 +823,7 @@ impl<'a> Demo<'a> {
             result: DemoResult {
                 config: cfg.clone(),
                 model: engines[0].info().name.clone(),
-                machine: Machine::this(engines, cfg.train_threads),
+                machine: Machine::this(engines, cfg.rl.threads),
                 evals: Vec::new(),
                 iterations: Vec::new(),
                 warm_adapter: None,
@@ -1129,11 +1108,7 @@ impl<'a> Demo<'a> {
         progress(Progress::Done("demonstrations"));
         self.phase("demonstrations", t);
         let t = Instant::now();
-        let mut cfg = TrainConfig::preset(Algo::Sft);
-        cfg.threads = self.cfg.train_threads;
-        cfg.epochs = self.cfg.warm_epochs;
-        cfg.sft_digit_class = self.cfg.warm_digit_class;
-        cfg.seed = self.cfg.seed;
+        let cfg = self.cfg.warm.clone();
         let sel = Selection {
             source: Some(Source::Import),
             since: None,
@@ -1186,7 +1161,7 @@ impl<'a> Demo<'a> {
         let (mut ids, mut succ, mut rew) = (Vec::new(), 0usize, 0.0);
         // step-level credit: information gain of the ground truth with the frozen policy,
         // scored during the rollouts (the session is still in the KV cache)
-        let uses_process = matches!(self.cfg.algo, Algo::A2tgpo | Algo::Atpo)
+        let uses_process = matches!(self.cfg.rl.algo, Algo::A2tgpo | Algo::Atpo)
             && self.cfg.process != ProcessSignal::None;
         let score_reference = uses_process && self.cfg.process == ProcessSignal::InfoGain;
         let mut jobs = Vec::with_capacity(n);
@@ -1254,24 +1229,10 @@ impl<'a> Demo<'a> {
             )?;
         }
         progress(Progress::Tick(&label));
-        let mut cfg = TrainConfig::preset(self.cfg.algo);
-        cfg.threads = self.cfg.train_threads;
-        cfg.lr = self.cfg.lr;
-        cfg.epochs = self.cfg.epochs;
-        cfg.keep_optimizer = self.cfg.keep_optimizer;
-        cfg.dr_grpo = self.cfg.dr_grpo;
-        cfg.adam_eps = self.cfg.adam_eps;
-        cfg.mask_digits = self.cfg.mask_digits;
-        cfg.mask_negative_digits = self.cfg.mask_negative_digits;
-        if let Some((lo, hi)) = self.cfg.eps {
-            cfg.objective.eps_low = lo;
-            cfg.objective.eps_high = hi;
-        }
-        if self.cfg.kl_warm > 0.0 {
-            cfg.objective.kl_coef = self.cfg.kl_warm;
+        let mut cfg = self.cfg.rl.clone();
+        if cfg.objective.kl_coef > 0.0 && cfg.kl_ref_adapter.is_none() {
             cfg.kl_ref_adapter = self.result.warm_adapter;
         }
-        cfg.seed = self.cfg.seed;
         if self.cfg.process == ProcessSignal::None {
             cfg.alpha = 0.0;
         }

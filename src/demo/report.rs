@@ -49,7 +49,7 @@ fn success_plot(r: &DemoResult, path: &Path) -> Result<()> {
         .caption(
             format!(
                 "Held-out success ({}, seed {})",
-                format!("{:?}", r.config.algo).to_lowercase(),
+                format!("{:?}", r.config.rl.algo).to_lowercase(),
                 r.config.seed
             ),
             ("sans-serif", 22),
@@ -200,7 +200,7 @@ fn pct(x: f64) -> String {
 pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> String {
     let mut s = String::new();
     let c = &r.config;
-    let algo = format!("{:?}", c.algo).to_lowercase();
+    let algo = format!("{:?}", c.rl.algo).to_lowercase();
     let _ = writeln!(s, "# Turnwise demo: {algo}, seed {}\n", c.seed);
     let budget = match (c.max_iterations, c.minutes) {
         (Some(n), None) => format!("{n} RL iterations"),
@@ -225,8 +225,8 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         r.model, c.eval_scenarios, c.patience, c.max_tokens,
         if c.id_slot { "on" } else { "off" },
         if c.restate { "on" } else { "off" },
-        c.demos, c.warm_epochs,
-        if c.warm_digit_class { " (digits as a class)" } else { "" },
+        c.demos, c.warm.epochs,
+        if c.warm.sft_digit_class { " (digits as a class)" } else { "" },
         c.scenarios_per_iter,
         match (c.stratify, c.paraphrase) {
             (true, true) => " (intents balanced, openings paraphrased)",
@@ -236,9 +236,9 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         },
         c.group_size, c.temperature,
         if c.greedy_digits { " (digits greedy)" } else { "" },
-        c.lr,
-        c.eps.map_or(String::new(), |(lo, hi)| format!(", clip range [1 − {lo}, 1 + {hi}]")),
-        c.epochs, c.process,
+        c.rl.lr,
+        format!(", clip range [1 − {}, 1 + {}]", c.rl.objective.eps_low, c.rl.objective.eps_high),
+        c.rl.epochs, c.process,
         if c.process == crate::demo::ProcessSignal::InfoGain {
             use crate::learn::annotate::{IgContext, IgPolicy};
             format!(
@@ -255,9 +255,9 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         } else {
             String::new()
         },
-        if c.mask_digits {
+        if c.rl.mask_digits {
             "masked from the policy gradient"
-        } else if c.mask_negative_digits {
+        } else if c.rl.mask_negative_digits {
             "trained only in turns with a positive advantage"
         } else {
             "trained"
