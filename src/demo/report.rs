@@ -221,7 +221,7 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
          Order ids written through the id slot (only ids the conversation holds): {}. \
          Customers repeat their request when they give the order id: {}. \
          Warm start: {} scripted-expert demonstrations, {} epochs of supervised fine-tuning{}. \
-         RL: {} scenarios{} × {} rollouts per iteration at temperature {}{}, lr {}{}, {} epochs, process signal `{:?}`{}, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
+         RL: {} scenarios{} × {} rollouts per iteration at temperature {}{}, lr {}, clip range [1 − {}, 1 + {}], {} epochs, process signal `{:?}`{}, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
         r.model, c.eval_scenarios, c.patience, c.max_tokens,
         if c.id_slot { "on" } else { "off" },
         if c.restate { "on" } else { "off" },
@@ -237,7 +237,7 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         c.group_size, c.temperature,
         if c.greedy_digits { " (digits greedy)" } else { "" },
         c.rl.lr,
-        format!(", clip range [1 − {}, 1 + {}]", c.rl.objective.eps_low, c.rl.objective.eps_high),
+        c.rl.objective.eps_low, c.rl.objective.eps_high,
         c.rl.epochs, c.process,
         if c.process == crate::demo::ProcessSignal::InfoGain {
             use crate::learn::annotate::{IgContext, IgPolicy};
