@@ -276,17 +276,18 @@ fn import_train_activate_chat_and_roll_back_through_the_cli() {
     run(&["import", file.to_str().unwrap()]);
     // `--activate` runs the gate: with a KL bound of 0 any update is refused, stays inactive,
     // is recorded rejected, and cannot be activated by hand either
+    let sft = [
+        "train",
+        "--algo",
+        "sft",
+        "--epochs",
+        "3",
+        "--activate",
+        "--gate-kl",
+        "0",
+    ];
     let refused = turnwise(&db)
-        .args([
-            "train",
-            "--algo",
-            "sft",
-            "--epochs",
-            "3",
-            "--activate",
-            "--gate-kl",
-            "0",
-        ])
+        .args(sft)
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -306,17 +307,7 @@ fn import_train_activate_chat_and_roll_back_through_the_cli() {
         "{}",
         show(&again)
     );
-    let out = run(&[
-        "train",
-        "--algo",
-        "sft",
-        "--epochs",
-        "3",
-        "--activate",
-        "--gate-kl",
-        "0",
-        "--force",
-    ]);
+    let out = run(&[&sft[..], &["--force"]].concat());
     assert!(
         out.contains("adapter 2 is active (forced past the gate)"),
         "{out}"

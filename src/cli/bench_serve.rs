@@ -109,10 +109,7 @@ fn measure(args: &BenchArgs, dir: &std::path::Path, verbose: bool) -> anyhow::Re
         learn_nice: args.learn_nice,
     };
     let state = AppState::new(engine, cfg)?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let rt = server::runtime()?;
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let addr = listener.local_addr()?;
     let app = server::router(state.clone());

@@ -100,10 +100,7 @@ pub fn run(args: ServeArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode
         learn_nice: args.learn_nice,
     };
     let state = AppState::new(engine, cfg)?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let rt = server::runtime()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
             .await

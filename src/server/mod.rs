@@ -160,6 +160,18 @@ pub struct AppState {
     next_id: AtomicU64,
 }
 
+/// The server's async runtime: two workers (generation runs on the engine thread and the
+/// learner on its own, so the workers only move bytes).
+///
+/// # Errors
+/// The runtime cannot start (no threads).
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+}
+
 /// The longest the learner waits between two steps for the server to fall idle.
 pub const YIELD_MAX: Duration = Duration::from_secs(10);
 
