@@ -3,6 +3,7 @@
 mod bench;
 mod bench_serve;
 mod chat;
+mod compare;
 mod demo;
 mod fetch;
 mod gc;
@@ -35,6 +36,8 @@ pub struct Cli {
 enum Cmd {
     /// The main job: a simulated customer-service desk where the bot is trained on its own sessions and measured on held-out ones (warm start, RL, report)
     Demo(Box<demo::DemoArgs>),
+    /// Compare demo runs: each run's held-out gain, each preset's gain pooled over seeds, the pooled difference between presets
+    Compare(compare::CompareArgs),
     /// Chat with the model in the terminal; every turn is logged (input may be piped)
     Chat(chat::ChatArgs),
     /// Import JSON Lines chat logs for offline replay
@@ -115,6 +118,7 @@ pub fn main() -> ExitCode {
         )),
         Cmd::Demo(a) => demo::run(*a, cli.verbose),
         Cmd::Chat(a) => chat::run(a, &db, cli.verbose),
+        Cmd::Compare(a) => compare::run(a),
         Cmd::Import(a) => import::run(a, &db, cli.verbose),
         Cmd::Export(a) => import::export(a, &db),
         Cmd::Fetch(a) => fetch::run(a),

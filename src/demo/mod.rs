@@ -435,6 +435,33 @@ pub fn paired_bootstrap(a: &[bool], b: &[bool], reps: usize, seed: u64) -> (f64,
     (point, q(0.025), q(0.975))
 }
 
+/// Stratified paired bootstrap of a pooled mean: `strata[k]` holds the paired differences of
+/// stratum k (a seed's held-out scenarios); each replicate resamples within every stratum, so
+/// the interval reflects scenario noise, not how the seeds happened to be mixed. Returns
+/// (pooled mean over all items, 2.5 %, 97.5 %).
+pub fn stratified_bootstrap(strata: &[Vec<f64>], reps: usize, seed: u64) -> (f64, f64, f64) {
+    let n: usize = strata.iter().map(Vec::len).sum();
+    if n == 0 || reps == 0 {
+        return (0.0, 0.0, 0.0);
+    }
+    let point = strata.iter().flatten().sum::<f64>() / n as f64;
+    let mut rng = Rng::new(seed);
+    let mut means: Vec<f64> = (0..reps)
+        .map(|_| {
+            let mut total = 0.0;
+            for s in strata.iter().filter(|s| !s.is_empty()) {
+                for _ in 0..s.len() {
+                    total += s[(rng.next_u64() % s.len() as u64) as usize];
+                }
+            }
+            total / n as f64
+        })
+        .collect();
+    means.sort_by(f64::total_cmp);
+    let q = |p: f64| means[((p * (reps - 1) as f64).round() as usize).min(reps - 1)];
+    (point, q(0.025), q(0.975))
+}
+
 /// Wilson 95 % interval of a success rate.
 pub fn wilson(successes: usize, n: usize) -> (f64, f64) {
     if n == 0 {
@@ -1416,6 +1443,23 @@ mod tests {
         assert!(l.abs() < 1e-12 && (h - 0.2775).abs() < 1e-3, "{h}");
         let (l, h) = wilson(5, 10);
         assert!((l - 0.2366).abs() < 1e-3 && (h - 0.7634).abs() < 1e-3);
+    }
+
+    #[test]
+    fn stratified_bootstrap_resamples_within_each_stratum() {
+        // constant strata keep their means in every replicate: a zero-width interval at the
+        // pooled mean (1 + 1 + 0 + 0) / 4
+        let (p, lo, hi) = stratified_bootstrap(&[vec![1.0, 1.0], vec![0.0, 0.0]], 500, 1);
+        assert_eq!((p, lo, hi), (0.5, 0.5, 0.5));
+        // strata of different sizes weigh by their items: (3·1 + 1·0) / 4
+        let (p, ..) = stratified_bootstrap(&[vec![1.0; 3], vec![0.0]], 100, 2);
+        assert_eq!(p, 0.75);
+        // a mixed stratum widens the interval around the point
+        let (p, lo, hi) =
+            stratified_bootstrap(&[vec![1.0, -1.0, 1.0, -1.0], vec![0.0; 4]], 2000, 3);
+        assert_eq!(p, 0.0);
+        assert!(lo < 0.0 && hi > 0.0 && lo >= -0.5 && hi <= 0.5, "{lo} {hi}");
+        assert_eq!(stratified_bootstrap(&[], 100, 1), (0.0, 0.0, 0.0));
     }
 
     #[test]

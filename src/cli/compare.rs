@@ -1,0 +1,197 @@
+//! `turnwise compare`: the results of several demo runs side by side — each run's held-out gain
+//! with its paired interval, each preset's gain pooled over seeds, and the pooled difference
+//! between presets on the same held-out scenarios.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context as _};
+use clap::Args;
+use serde_json::Value;
+use turnwise::demo::stratified_bootstrap;
+
+/// Options of `turnwise compare`.
+#[derive(Args)]
+pub struct CompareArgs {
+    /// Demo run directories (each holds a result.json)
+    #[arg(required = true)]
+    runs: Vec<PathBuf>,
+    /// Bootstrap replicates
+    #[arg(long, default_value_t = 10_000)]
+    reps: usize,
+}
+
+/// One run as the comparison needs it.
+struct Run {
+    dir: PathBuf,
+    preset: String,
+    seed: u64,
+    warm: Vec<bool>,
+    fin: Vec<bool>,
+    gain: (f64, f64, f64),
+    iterations: usize,
+    activated: usize,
+    wall_min: f64,
+}
+
+fn successes(r: &Value, label: &str) -> Option<Vec<bool>> {
+    r["evals"]
+        .as_array()?
+        .iter()
+        .rev()
+        .find(|e| e["label"] == label)?["success"]
+        .as_array()?
+        .iter()
+        .map(Value::as_bool)
+        .collect()
+}
+
+fn load(dir: &Path) -> anyhow::Result<Run> {
+    let file = if dir.is_file() {
+        dir.to_path_buf()
+    } else {
+        dir.join("result.json")
+    };
+    let text =
+        std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+    let r: Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", file.display()))?;
+    let c = &r["config"];
+    // the preset: `config.rl.algo` (or `config.algo` in runs before the config embedded it)
+    let preset = c["rl"]["algo"]
+        .as_str()
+        .or_else(|| c["algo"].as_str())
+        .with_context(|| format!("{}: no preset in config", file.display()))?
+        .to_lowercase();
+    let seed = c["seed"]
+        .as_u64()
+        .with_context(|| format!("{}: no seed", file.display()))?;
+    let (warm, fin) = match (successes(&r, "warm start"), successes(&r, "final")) {
+        (Some(w), Some(f)) if w.len() == f.len() && !w.is_empty() => (w, f),
+        _ => bail!(
+            "{}: no warm-start and final evaluations of equal size",
+            file.display()
+        ),
+    };
+    let g = &r["rl_gain"];
+    let its = r["iterations"].as_array().map_or(&[][..], Vec::as_slice);
+    Ok(Run {
+        dir: dir.to_path_buf(),
+        preset,
+        seed,
+        warm,
+        fin,
+        gain: (
+            g[0].as_f64().unwrap_or(0.0),
+            g[1].as_f64().unwrap_or(0.0),
+            g[2].as_f64().unwrap_or(0.0),
+        ),
+        iterations: its.len(),
+        activated: its.iter().filter(|i| i["activated"] == true).count(),
+        wall_min: r["wall_s"].as_f64().unwrap_or(0.0) / 60.0,
+    })
+}
+
+fn diff(a: &[bool], b: &[bool]) -> Vec<f64> {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| f64::from(u8::from(y)) - f64::from(u8::from(x)))
+        .collect()
+}
+
+fn pts((p, lo, hi): (f64, f64, f64)) -> String {
+    format!("{:+.1} [{:+.1}, {:+.1}]", 100.0 * p, 100.0 * lo, 100.0 * hi)
+}
+
+fn rate(v: &[bool]) -> String {
+    let k = v.iter().filter(|&&b| b).count();
+    format!(
+        "{k}/{} ({:.0} %)",
+        v.len(),
+        100.0 * k as f64 / v.len() as f64
+    )
+}
+
+/// Prints the comparison as Markdown tables.
+///
+/// # Errors
+/// A run directory without a readable result.json.
+pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
+    let mut runs = args
+        .runs
+        .iter()
+        .map(|d| load(d))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    runs.sort_by(|a, b| (a.seed, &a.preset).cmp(&(b.seed, &b.preset)));
+    println!("| preset | seed | held-out warm start → final | RL gain, points [95 %] | iterations (activated) | wall | run |");
+    println!("|---|---|---|---|---|---|---|");
+    for r in &runs {
+        println!(
+            "| {} | {} | {} → {} | {} | {} ({}) | {:.1} min | {} |",
+            r.preset,
+            r.seed,
+            rate(&r.warm),
+            rate(&r.fin),
+            pts(r.gain),
+            r.iterations,
+            r.activated,
+            r.wall_min,
+            r.dir.display()
+        );
+    }
+    // each preset's gain pooled over its seeds (scenarios resampled within each seed)
+    let mut by_preset: BTreeMap<&str, Vec<&Run>> = BTreeMap::new();
+    for r in &runs {
+        by_preset.entry(&r.preset).or_default().push(r);
+    }
+    println!("\n| preset | seeds | pooled RL gain, points [95 %] |");
+    println!("|---|---|---|");
+    for (p, rs) in &by_preset {
+        let strata: Vec<Vec<f64>> = rs.iter().map(|r| diff(&r.warm, &r.fin)).collect();
+        let seeds: Vec<String> = rs.iter().map(|r| r.seed.to_string()).collect();
+        println!(
+            "| {p} | {} | {} |",
+            seeds.join(", "),
+            pts(stratified_bootstrap(&strata, args.reps, 1))
+        );
+    }
+    // each pair of presets on the seeds both ran: final success of the second minus the first,
+    // scenario by scenario (a seed fixes the held-out set and the warm start)
+    let presets: Vec<&str> = by_preset.keys().copied().collect();
+    let mut pairs = Vec::new();
+    for (i, a) in presets.iter().enumerate() {
+        for b in &presets[i + 1..] {
+            let mut strata = Vec::new();
+            let mut seeds = Vec::new();
+            for ra in &by_preset[a] {
+                let Some(rb) = by_preset[b].iter().find(|r| r.seed == ra.seed) else {
+                    continue;
+                };
+                if ra.fin.len() != rb.fin.len() || ra.warm != rb.warm {
+                    bail!(
+                        "seed {}: {a} and {b} do not share their held-out set and warm start",
+                        ra.seed
+                    );
+                }
+                strata.push(diff(&ra.fin, &rb.fin));
+                seeds.push(ra.seed.to_string());
+            }
+            if !strata.is_empty() {
+                pairs.push((
+                    format!("{b} − {a}"),
+                    seeds.join(", "),
+                    stratified_bootstrap(&strata, args.reps, 2),
+                ));
+            }
+        }
+    }
+    if !pairs.is_empty() {
+        println!("\n| difference in final held-out success | seeds | points [95 %] |");
+        println!("|---|---|---|");
+        for (name, seeds, d) in pairs {
+            println!("| {name} | {seeds} | {} |", pts(d));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
