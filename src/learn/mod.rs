@@ -8,7 +8,8 @@
 //! 2. **credit** — outcome normalisation per group, the process signal per turn group and the
 //!    advantage estimator; the one writer of the value head's credit annotations;
 //! 3. **step** — minibatches of base logits and features, then AdamW steps of the clipped
-//!    surrogate on ONNX Runtime or the ndarray reference ([`objective`], `graph::step`);
+//!    surrogate; one `StepBackend` trait over ONNX Runtime and the ndarray reference
+//!    ([`objective`], `graph::step`);
 //! 4. **diagnostics** — one typed [`Diagnostics`] record;
 //! 5. **candidate** — the adapter written atomically, then status, update row, advantages and
 //!    learned stamps committed in one transaction (`Store::commit_candidate`);
@@ -27,6 +28,7 @@ pub mod diagnostics;
 pub mod gate;
 pub mod groups;
 pub mod objective;
+mod step;
 pub mod update;
 
 pub use diagnostics::Diagnostics;

@@ -15,13 +15,11 @@ use super::batch::{self, Batch};
 use super::credit::{self, Credit};
 use super::diagnostics::Diagnostics;
 use super::objective::{
-    aggregation_weights, clip_bounds, group_mean_matrix, lora_class_ce_and_grad,
-    lora_loss_and_grad, lora_loss_and_grad_entropy, policy_weights, surrogate, Aggregation,
-    ClipMode, Granularity, ObjectiveConfig, TokenBatch,
+    lora_loss_and_grad, Aggregation, ClipMode, Granularity, ObjectiveConfig, TokenBatch,
 };
+use super::step::{self, Minibatch};
 use crate::adapter::{adapter_dir, f32_bytes, f32_tensor, Adapter};
 use crate::error::{Error, Result};
-use crate::graph::step::{OrtStep, StepInputs, StepKind};
 use crate::graph::Device;
 use crate::policy::sampler::Support;
 use crate::policy::OutputHead;
@@ -353,25 +351,6 @@ pub struct UpdateReport {
     pub diagnostics: Diagnostics,
 }
 
-/// A minibatch: flattened tokens, their features, and the base logits computed once.
-struct Minibatch {
-    sessions: Vec<usize>,
-    /// the features as stored (value head, base logits)
-    h: Array2<f32>,
-    /// the features divided by each token's sampling temperature (the policy step)
-    hs: Array2<f32>,
-    base: Array2<f32>,
-    tokens: Vec<usize>,
-    batch: TokenBatch,
-    /// index in `h` of each turn's first token (its state) and the session's outcome in [0, 1]
-    states: Vec<(usize, f64)>,
-    /// SFT with [`TrainConfig::sft_digit_class`]: per token, it is a digit and counts as the
-    /// digit class (empty otherwise)
-    digit_class: Vec<bool>,
-    /// with `digit_class`: per vocabulary entry, whether it is a digit token
-    digit_vocab: Option<std::sync::Arc<Vec<bool>>>,
-}
-
 #[derive(Clone)]
 struct AdamW {
     m: Vec<Array2<f32>>,
@@ -516,101 +495,6 @@ fn log_softmax_at(z: &Array2<f32>, tokens: &[usize]) -> Vec<f64> {
         .collect()
 }
 
-/// The step inputs of a minibatch for adapter matrices `a`, `b`. Before `logp_old` is known
-/// (the forward pass that computes it) the surrogate inputs are neutral.
-fn step_inputs<'a>(
-    cfg: &TrainConfig,
-    sft: bool,
-    mb: &'a Minibatch,
-    a: ndarray::ArrayView2<'a, f32>,
-    b: ndarray::ArrayView2<'a, f32>,
-    scale: f32,
-) -> StepInputs<'a> {
-    let f = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
-    let n = mb.tokens.len();
-    let ready = mb.batch.logp_old.len() == n;
-    let w = if sft {
-        f(&aggregation_weights(&mb.batch, Aggregation::TokenMean))
-    } else if ready {
-        f(&policy_weights(&cfg.objective, &mb.batch))
-    } else {
-        vec![0.0; n]
-    };
-    let bounds = if ready {
-        clip_bounds(&cfg.objective, &mb.batch)
-    } else {
-        vec![(1.0, 1.0, 1.0); n]
-    };
-    StepInputs {
-        base: mb.base.view(),
-        h: mb.hs.view(),
-        a,
-        b,
-        scale,
-        tokens: &mb.tokens,
-        w,
-        old: if ready {
-            f(&mb.batch.logp_old)
-        } else {
-            vec![0.0; n]
-        },
-        adv: f(&mb.batch.adv),
-        lo: bounds.iter().map(|b| b.0 as f32).collect(),
-        hi: bounds.iter().map(|b| b.1 as f32).collect(),
-        gmat: (!sft && cfg.objective.granularity != Granularity::Token)
-            .then(|| group_mean_matrix(&cfg.objective, &mb.batch).mapv(|x| x as f32)),
-        kl: (cfg.objective.kl_coef > 0.0).then(|| {
-            (
-                f(&mb.batch.logp_ref),
-                f(&aggregation_weights(&mb.batch, cfg.objective.aggregation)),
-                cfg.objective.kl_coef as f32,
-            )
-        }),
-        entropy: (!sft && cfg.objective.entropy_coef > 0.0).then(|| {
-            (
-                f(&aggregation_weights(&mb.batch, cfg.objective.aggregation)),
-                cfg.objective.entropy_coef as f32,
-            )
-        }),
-        digit_class: mb.digit_vocab.as_ref().map(|v| {
-            let f01 = |x: &[bool]| x.iter().map(|&c| f32::from(u8::from(c))).collect();
-            (f01(v), f01(&mb.digit_class))
-        }),
-    }
-}
-
-/// Log-probs of a minibatch's tokens under (`a`, `b`), by the step engine in use.
-fn forward_logp(
-    step: Option<&mut OrtStep>,
-    cfg: &TrainConfig,
-    sft: bool,
-    mb: &Minibatch,
-    a: ndarray::ArrayView2<'_, f32>,
-    b: ndarray::ArrayView2<'_, f32>,
-    scale: f32,
-) -> Result<Vec<f64>> {
-    match step {
-        Some(step) => Ok(step
-            .run(&step_inputs(cfg, sft, mb, a, b, scale))?
-            .1
-            .into_iter()
-            .map(f64::from)
-            .collect()),
-        None => {
-            let (_, lp, _, _) = lora_loss_and_grad(
-                mb.base.view(),
-                mb.hs.view(),
-                &mb.tokens,
-                a,
-                b,
-                scale,
-                |lp| (0.0, vec![0.0; lp.len()]),
-            );
-            Ok(lp.into_iter().map(f64::from).collect())
-        }
-    }
-}
-
 /// Runs one update over the selected sessions, starting from `parent` (the active adapter, or a
 /// fresh one), and writes a candidate adapter next to the database.
 ///
@@ -688,23 +572,7 @@ pub fn run_update(
         }
     }
 
-    let mut ort_step = match cfg.backend {
-        Backend::Ort => {
-            let kind = if sft {
-                StepKind::CrossEntropy {
-                    digit_class: cfg.sft_digit_class,
-                }
-            } else {
-                StepKind::Surrogate {
-                    granularity: cfg.objective.granularity,
-                    kl: cfg.objective.kl_coef > 0.0,
-                    entropy: cfg.objective.entropy_coef > 0.0,
-                }
-            };
-            Some(OrtStep::new(kind, cfg.device, cfg.threads)?)
-        }
-        Backend::Ndarray => None,
-    };
+    let mut backend = step::backend(cfg, sft)?;
     // ---- minibatches with base logits, old / reference log-probs -------------------------------
     let digit_vocab = (sft && cfg.sft_digit_class).then(|| {
         std::sync::Arc::new(
@@ -830,15 +698,7 @@ pub fn run_update(
         // graph's input of the right length while it computes the reference's own
         mb.batch.logp_ref = log_softmax_at(&mb.base, &mb.tokens);
         if let Some(r) = &kl_ref {
-            mb.batch.logp_ref = forward_logp(
-                ort_step.as_mut(),
-                cfg,
-                sft,
-                &mb,
-                r.a.view(),
-                r.b.view(),
-                r.scale(),
-            )?;
+            mb.batch.logp_ref = backend.logp(&mb, r.a.view(), r.b.view(), r.scale())?;
         }
         // logp_old per turn under the adapter that generated it, computed by the same step
         // engine as the new log-probs (so the first ratio of the update is exactly 1)
@@ -850,7 +710,7 @@ pub fn run_update(
                     Some(ad) => (ad.a.view(), ad.b.view(), ad.scale()),
                     None => (current.a.view(), zero_b.view(), current.scale()),
                 };
-                let lp = forward_logp(ort_step.as_mut(), cfg, sft, &mb, a, b, sc)?;
+                let lp = backend.logp(&mb, a, b, sc)?;
                 by_gen.insert(*gen, lp);
             }
         }
@@ -875,9 +735,7 @@ pub fn run_update(
     }
 
     // ---- epochs of AdamW steps ----------------------------------------------------------------
-    let device_used = ort_step
-        .as_ref()
-        .map(|s| format!("{:?}", s.device).to_lowercase());
+    let device_used = backend.device();
     let mut opt = AdamW::new(&[current.a.dim(), current.b.dim()]);
     let mut vopt = AdamW::new(&[(1, n_embd + 1)]);
     let mut optimizer_from_parent = false;
@@ -895,65 +753,8 @@ pub fn run_update(
     for _epoch in 0..cfg.epochs {
         for mb in &minibatches {
             let scale = current.scale();
-            let mut stats = None;
-            let ent_w: Option<Vec<f32>> = (!sft && cfg.objective.entropy_coef > 0.0).then(|| {
-                aggregation_weights(&mb.batch, cfg.objective.aggregation)
-                    .iter()
-                    .map(|&x| x as f32)
-                    .collect()
-            });
-            let (loss, logp_new, da, db) = match ort_step.as_mut() {
-                Some(step) => {
-                    let inputs =
-                        step_inputs(cfg, sft, mb, current.a.view(), current.b.view(), scale);
-                    let out = step.run(&inputs)?;
-                    if !sft {
-                        let lp64: Vec<f64> = out.1.iter().map(|&x| x as f64).collect();
-                        stats = Some(surrogate(&cfg.objective, &mb.batch, &lp64).2);
-                    }
-                    out
-                }
-                None if mb.digit_vocab.is_some() => {
-                    let w: Vec<f32> = aggregation_weights(&mb.batch, Aggregation::TokenMean)
-                        .iter()
-                        .map(|&x| x as f32)
-                        .collect();
-                    let digit = mb.digit_vocab.as_deref().map_or(&[][..], Vec::as_slice);
-                    lora_class_ce_and_grad(
-                        mb.base.view(),
-                        mb.hs.view(),
-                        &mb.tokens,
-                        current.a.view(),
-                        current.b.view(),
-                        scale,
-                        &w,
-                        &mb.digit_class,
-                        digit,
-                    )
-                }
-                None => lora_loss_and_grad_entropy(
-                    mb.base.view(),
-                    mb.hs.view(),
-                    &mb.tokens,
-                    current.a.view(),
-                    current.b.view(),
-                    scale,
-                    ent_w
-                        .as_ref()
-                        .map(|w| (w.as_slice(), cfg.objective.entropy_coef as f32)),
-                    |lp: &[f32]| {
-                        let lp64: Vec<f64> = lp.iter().map(|&x| x as f64).collect();
-                        if sft {
-                            let w = aggregation_weights(&mb.batch, Aggregation::TokenMean);
-                            let loss = -lp64.iter().zip(&w).map(|(l, w)| l * w).sum::<f64>();
-                            return (loss as f32, w.iter().map(|w| -*w as f32).collect());
-                        }
-                        let (loss, g, st) = surrogate(&cfg.objective, &mb.batch, &lp64);
-                        stats = Some(st);
-                        (loss as f32, g.into_iter().map(|x| x as f32).collect())
-                    },
-                ),
-            };
+            let (loss, logp_new, da, db, stats) =
+                backend.loss_and_grad(mb, current.a.view(), current.b.view(), scale)?;
             if first_ratio_dev.is_none() && !sft {
                 let dev = logp_new
                     .iter()

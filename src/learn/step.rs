@@ -1,0 +1,292 @@
+//! The third stage of an update: the step. One [`StepBackend`] computes, for a minibatch and
+//! the adapter's matrices, the new log-probs, the loss and its gradient — on ONNX Runtime (the
+//! graph built in `graph::step`) or on the ndarray reference (`learn::objective`), which the
+//! tests hold against each other and against finite differences. The update's loop above it
+//! (AdamW, gradient clip, value head) is the same for both.
+
+use ndarray::{Array2, ArrayView2};
+
+use super::objective::{
+    aggregation_weights, clip_bounds, group_mean_matrix, lora_class_ce_and_grad,
+    lora_loss_and_grad, lora_loss_and_grad_entropy, policy_weights, surrogate, Aggregation,
+    Granularity, SurrogateStats, TokenBatch,
+};
+use super::update::{Backend, TrainConfig};
+use crate::error::Result;
+use crate::graph::step::{OrtStep, StepInputs, StepKind};
+
+/// What one step computed: loss, new log-probs, gradients of LoRA A and B, and (for RL) the
+/// surrogate's statistics.
+pub(super) type StepOutput = (
+    f32,
+    Vec<f32>,
+    Array2<f32>,
+    Array2<f32>,
+    Option<SurrogateStats>,
+);
+
+/// The step's computation on one minibatch, by one engine.
+pub(super) trait StepBackend {
+    /// Log-probs of the minibatch's tokens under (`a`, `b`, `scale`) (old, reference).
+    fn logp(
+        &mut self,
+        mb: &Minibatch,
+        a: ArrayView2<'_, f32>,
+        b: ArrayView2<'_, f32>,
+        scale: f32,
+    ) -> Result<Vec<f64>>;
+
+    /// Loss, new log-probs and gradients at (`a`, `b`, `scale`).
+    fn loss_and_grad(
+        &mut self,
+        mb: &Minibatch,
+        a: ArrayView2<'_, f32>,
+        b: ArrayView2<'_, f32>,
+        scale: f32,
+    ) -> Result<StepOutput>;
+
+    /// The ONNX Runtime execution provider, or None for the ndarray reference.
+    fn device(&self) -> Option<String>;
+}
+
+/// The backend `cfg.backend` names, for an SFT or an RL update.
+///
+/// # Errors
+/// ONNX Runtime cannot build the step session (library, device).
+pub(super) fn backend<'a>(cfg: &'a TrainConfig, sft: bool) -> Result<Box<dyn StepBackend + 'a>> {
+    Ok(match cfg.backend {
+        Backend::Ort => {
+            let kind = if sft {
+                StepKind::CrossEntropy {
+                    digit_class: cfg.sft_digit_class,
+                }
+            } else {
+                StepKind::Surrogate {
+                    granularity: cfg.objective.granularity,
+                    kl: cfg.objective.kl_coef > 0.0,
+                    entropy: cfg.objective.entropy_coef > 0.0,
+                }
+            };
+            Box::new(Ort {
+                step: OrtStep::new(kind, cfg.device, cfg.threads)?,
+                cfg,
+                sft,
+            })
+        }
+        Backend::Ndarray => Box::new(Reference { cfg, sft }),
+    })
+}
+
+/// The step as an ONNX graph run by ONNX Runtime.
+struct Ort<'a> {
+    step: OrtStep,
+    cfg: &'a TrainConfig,
+    sft: bool,
+}
+
+impl StepBackend for Ort<'_> {
+    fn logp(
+        &mut self,
+        mb: &Minibatch,
+        a: ArrayView2<'_, f32>,
+        b: ArrayView2<'_, f32>,
+        scale: f32,
+    ) -> Result<Vec<f64>> {
+        let out = self
+            .step
+            .run(&step_inputs(self.cfg, self.sft, mb, a, b, scale))?;
+        Ok(out.1.into_iter().map(f64::from).collect())
+    }
+
+    fn loss_and_grad(
+        &mut self,
+        mb: &Minibatch,
+        a: ArrayView2<'_, f32>,
+        b: ArrayView2<'_, f32>,
+        scale: f32,
+    ) -> Result<StepOutput> {
+        let (loss, lp, da, db) = self
+            .step
+            .run(&step_inputs(self.cfg, self.sft, mb, a, b, scale))?;
+        let stats = (!self.sft).then(|| {
+            let lp64: Vec<f64> = lp.iter().map(|&x| x as f64).collect();
+            surrogate(&self.cfg.objective, &mb.batch, &lp64).2
+        });
+        Ok((loss, lp, da, db, stats))
+    }
+
+    fn device(&self) -> Option<String> {
+        Some(format!("{:?}", self.step.device).to_lowercase())
+    }
+}
+
+/// The step in ndarray: the reference the graph is tested against.
+struct Reference<'a> {
+    cfg: &'a TrainConfig,
+    sft: bool,
+}
+
+impl StepBackend for Reference<'_> {
+    fn logp(
+        &mut self,
+        mb: &Minibatch,
+        a: ArrayView2<'_, f32>,
+        b: ArrayView2<'_, f32>,
+        scale: f32,
+    ) -> Result<Vec<f64>> {
+        let (_, lp, _, _) = lora_loss_and_grad(
+            mb.base.view(),
+            mb.hs.view(),
+            &mb.tokens,
+            a,
+            b,
+            scale,
+            |lp| (0.0, vec![0.0; lp.len()]),
+        );
+        Ok(lp.into_iter().map(f64::from).collect())
+    }
+
+    fn loss_and_grad(
+        &mut self,
+        mb: &Minibatch,
+        a: ArrayView2<'_, f32>,
+        b: ArrayView2<'_, f32>,
+        scale: f32,
+    ) -> Result<StepOutput> {
+        let (cfg, sft) = (self.cfg, self.sft);
+        if let Some(digit) = mb.digit_vocab.as_deref() {
+            let w: Vec<f32> = aggregation_weights(&mb.batch, Aggregation::TokenMean)
+                .iter()
+                .map(|&x| x as f32)
+                .collect();
+            let (loss, lp, da, db) = lora_class_ce_and_grad(
+                mb.base.view(),
+                mb.hs.view(),
+                &mb.tokens,
+                a,
+                b,
+                scale,
+                &w,
+                &mb.digit_class,
+                digit,
+            );
+            return Ok((loss, lp, da, db, None));
+        }
+        let ent_w: Option<Vec<f32>> = (!sft && cfg.objective.entropy_coef > 0.0).then(|| {
+            aggregation_weights(&mb.batch, cfg.objective.aggregation)
+                .iter()
+                .map(|&x| x as f32)
+                .collect()
+        });
+        let mut stats = None;
+        let (loss, lp, da, db) = lora_loss_and_grad_entropy(
+            mb.base.view(),
+            mb.hs.view(),
+            &mb.tokens,
+            a,
+            b,
+            scale,
+            ent_w
+                .as_ref()
+                .map(|w| (w.as_slice(), cfg.objective.entropy_coef as f32)),
+            |lp: &[f32]| {
+                let lp64: Vec<f64> = lp.iter().map(|&x| x as f64).collect();
+                if sft {
+                    let w = aggregation_weights(&mb.batch, Aggregation::TokenMean);
+                    let loss = -lp64.iter().zip(&w).map(|(l, w)| l * w).sum::<f64>();
+                    return (loss as f32, w.iter().map(|w| -*w as f32).collect());
+                }
+                let (loss, g, st) = surrogate(&cfg.objective, &mb.batch, &lp64);
+                stats = Some(st);
+                (loss as f32, g.into_iter().map(|x| x as f32).collect())
+            },
+        );
+        Ok((loss, lp, da, db, stats))
+    }
+
+    fn device(&self) -> Option<String> {
+        None
+    }
+}
+
+/// A minibatch: flattened tokens, their features, and the base logits computed once.
+pub(super) struct Minibatch {
+    pub(super) sessions: Vec<usize>,
+    /// the features as stored (value head, base logits)
+    pub(super) h: Array2<f32>,
+    /// the features divided by each token's sampling temperature (the policy step)
+    pub(super) hs: Array2<f32>,
+    pub(super) base: Array2<f32>,
+    pub(super) tokens: Vec<usize>,
+    pub(super) batch: TokenBatch,
+    /// index in `h` of each turn's first token (its state) and the session's outcome in [0, 1]
+    pub(super) states: Vec<(usize, f64)>,
+    /// SFT with [`TrainConfig::sft_digit_class`]: per token, it is a digit and counts as the
+    /// digit class (empty otherwise)
+    pub(super) digit_class: Vec<bool>,
+    /// with `digit_class`: per vocabulary entry, whether it is a digit token
+    pub(super) digit_vocab: Option<std::sync::Arc<Vec<bool>>>,
+}
+
+/// The step inputs of a minibatch for adapter matrices `a`, `b`. Before `logp_old` is known
+/// (the forward pass that computes it) the surrogate inputs are neutral.
+pub(super) fn step_inputs<'a>(
+    cfg: &TrainConfig,
+    sft: bool,
+    mb: &'a Minibatch,
+    a: ndarray::ArrayView2<'a, f32>,
+    b: ndarray::ArrayView2<'a, f32>,
+    scale: f32,
+) -> StepInputs<'a> {
+    let f = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+    let n = mb.tokens.len();
+    let ready = mb.batch.logp_old.len() == n;
+    let w = if sft {
+        f(&aggregation_weights(&mb.batch, Aggregation::TokenMean))
+    } else if ready {
+        f(&policy_weights(&cfg.objective, &mb.batch))
+    } else {
+        vec![0.0; n]
+    };
+    let bounds = if ready {
+        clip_bounds(&cfg.objective, &mb.batch)
+    } else {
+        vec![(1.0, 1.0, 1.0); n]
+    };
+    StepInputs {
+        base: mb.base.view(),
+        h: mb.hs.view(),
+        a,
+        b,
+        scale,
+        tokens: &mb.tokens,
+        w,
+        old: if ready {
+            f(&mb.batch.logp_old)
+        } else {
+            vec![0.0; n]
+        },
+        adv: f(&mb.batch.adv),
+        lo: bounds.iter().map(|b| b.0 as f32).collect(),
+        hi: bounds.iter().map(|b| b.1 as f32).collect(),
+        gmat: (!sft && cfg.objective.granularity != Granularity::Token)
+            .then(|| group_mean_matrix(&cfg.objective, &mb.batch).mapv(|x| x as f32)),
+        kl: (cfg.objective.kl_coef > 0.0).then(|| {
+            (
+                f(&mb.batch.logp_ref),
+                f(&aggregation_weights(&mb.batch, cfg.objective.aggregation)),
+                cfg.objective.kl_coef as f32,
+            )
+        }),
+        entropy: (!sft && cfg.objective.entropy_coef > 0.0).then(|| {
+            (
+                f(&aggregation_weights(&mb.batch, cfg.objective.aggregation)),
+                cfg.objective.entropy_coef as f32,
+            )
+        }),
+        digit_class: mb.digit_vocab.as_ref().map(|v| {
+            let f01 = |x: &[bool]| x.iter().map(|&c| f32::from(u8::from(c))).collect();
+            (f01(v), f01(&mb.digit_class))
+        }),
+    }
+}
