@@ -361,3 +361,55 @@ fn import_train_activate_chat_and_roll_back_through_the_cli() {
         "sft refused, sft forced, value fit, grpo"
     );
 }
+
+/// `turnwise compare` on hand-made results: per-run gains, pooled gains and the pooled
+/// difference between presets, checked by hand; a directory without a result is an error.
+#[test]
+fn compare_pools_seeds_and_pairs_presets() {
+    let dir = tempdir();
+    let write = |name: &str, algo: &str, seed: u64, warm: &[bool], fin: &[bool]| {
+        let d = dir.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        let r = serde_json::json!({
+            "config": {"seed": seed, "rl": {"algo": algo}},
+            "evals": [{"label": "warm start", "success": warm}, {"label": "final", "success": fin}],
+            "rl_gain": [0.25, 0.0, 0.5],
+            "iterations": [{"activated": true}, {"activated": false}],
+            "wall_s": 600.0
+        });
+        std::fs::write(d.join("result.json"), r.to_string()).unwrap();
+        d
+    };
+    let (t, f) = (true, false);
+    let runs = [
+        write("a1", "a2tgpo", 1, &[t, f, f, f], &[t, t, f, f]),
+        write("g1", "grpo", 1, &[t, f, f, f], &[t, t, t, f]),
+        write("a2", "a2tgpo", 2, &[f, f, f, f], &[f, f, f, f]),
+        write("g2", "grpo", 2, &[f, f, f, f], &[t, f, f, f]),
+    ];
+    let out = Command::new(env!("CARGO_BIN_EXE_turnwise"))
+        .arg("compare")
+        .args(&runs)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    // a2tgpo: (+1 on seed 1, 0 on seed 2) over 8 scenarios = +12.5; grpo: (2 + 1) / 8 = +37.5
+    assert!(text.contains("| a2tgpo | 1, 2 | +12.5 ["), "{text}");
+    assert!(text.contains("| grpo | 1, 2 | +37.5 ["), "{text}");
+    // final grpo − a2tgpo scenario by scenario: seed 1 (0, 0, +1, 0), seed 2 (+1, 0, 0, 0)
+    assert!(text.contains("| grpo − a2tgpo | 1, 2 | +25.0 ["), "{text}");
+    assert!(
+        text.contains("| a2tgpo | 1 | 1/4 (25 %) → 2/4 (50 %) |"),
+        "{text}"
+    );
+    // a directory without result.json
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let bad = Command::new(env!("CARGO_BIN_EXE_turnwise"))
+        .args(["compare", empty.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1), "{}", show(&bad));
+    assert!(show(&bad).contains("result.json"), "{}", show(&bad));
+}
