@@ -25,25 +25,24 @@ pub(super) type StepOutput = (
     Option<SurrogateStats>,
 );
 
+/// LoRA matrices and their scale: where a step evaluates the policy.
+#[derive(Clone, Copy)]
+pub(super) struct Lora<'a> {
+    /// A (r × n_embd)
+    pub(super) a: ArrayView2<'a, f32>,
+    /// B (n_vocab × r)
+    pub(super) b: ArrayView2<'a, f32>,
+    /// alpha / r
+    pub(super) scale: f32,
+}
+
 /// The step's computation on one minibatch, by one engine.
 pub(super) trait StepBackend {
     /// Log-probs of the minibatch's tokens under (`a`, `b`, `scale`) (old, reference).
-    fn logp(
-        &mut self,
-        mb: &Minibatch,
-        a: ArrayView2<'_, f32>,
-        b: ArrayView2<'_, f32>,
-        scale: f32,
-    ) -> Result<Vec<f64>>;
+    fn logp(&mut self, mb: &Minibatch, w: Lora<'_>) -> Result<Vec<f64>>;
 
-    /// Loss, new log-probs and gradients at (`a`, `b`, `scale`).
-    fn loss_and_grad(
-        &mut self,
-        mb: &Minibatch,
-        a: ArrayView2<'_, f32>,
-        b: ArrayView2<'_, f32>,
-        scale: f32,
-    ) -> Result<StepOutput>;
+    /// Loss, new log-probs and gradients at `w`.
+    fn loss_and_grad(&mut self, mb: &Minibatch, w: Lora<'_>) -> Result<StepOutput>;
 
     /// The ONNX Runtime execution provider, or None for the ndarray reference.
     fn device(&self) -> Option<String>;
@@ -85,29 +84,17 @@ struct Ort<'a> {
 }
 
 impl StepBackend for Ort<'_> {
-    fn logp(
-        &mut self,
-        mb: &Minibatch,
-        a: ArrayView2<'_, f32>,
-        b: ArrayView2<'_, f32>,
-        scale: f32,
-    ) -> Result<Vec<f64>> {
+    fn logp(&mut self, mb: &Minibatch, w: Lora<'_>) -> Result<Vec<f64>> {
         let out = self
             .step
-            .run(&step_inputs(self.cfg, self.sft, mb, a, b, scale))?;
+            .run(&step_inputs(self.cfg, self.sft, mb, w.a, w.b, w.scale))?;
         Ok(out.1.into_iter().map(f64::from).collect())
     }
 
-    fn loss_and_grad(
-        &mut self,
-        mb: &Minibatch,
-        a: ArrayView2<'_, f32>,
-        b: ArrayView2<'_, f32>,
-        scale: f32,
-    ) -> Result<StepOutput> {
+    fn loss_and_grad(&mut self, mb: &Minibatch, w: Lora<'_>) -> Result<StepOutput> {
         let (loss, lp, da, db) = self
             .step
-            .run(&step_inputs(self.cfg, self.sft, mb, a, b, scale))?;
+            .run(&step_inputs(self.cfg, self.sft, mb, w.a, w.b, w.scale))?;
         let stats = (!self.sft).then(|| {
             let lp64: Vec<f64> = lp.iter().map(|&x| x as f64).collect();
             surrogate(&self.cfg.objective, &mb.batch, &lp64).2
@@ -127,35 +114,23 @@ struct Reference<'a> {
 }
 
 impl StepBackend for Reference<'_> {
-    fn logp(
-        &mut self,
-        mb: &Minibatch,
-        a: ArrayView2<'_, f32>,
-        b: ArrayView2<'_, f32>,
-        scale: f32,
-    ) -> Result<Vec<f64>> {
+    fn logp(&mut self, mb: &Minibatch, w: Lora<'_>) -> Result<Vec<f64>> {
         let (_, lp, _, _) = lora_loss_and_grad(
             mb.base.view(),
             mb.hs.view(),
             &mb.tokens,
-            a,
-            b,
-            scale,
+            w.a,
+            w.b,
+            w.scale,
             |lp| (0.0, vec![0.0; lp.len()]),
         );
         Ok(lp.into_iter().map(f64::from).collect())
     }
 
-    fn loss_and_grad(
-        &mut self,
-        mb: &Minibatch,
-        a: ArrayView2<'_, f32>,
-        b: ArrayView2<'_, f32>,
-        scale: f32,
-    ) -> Result<StepOutput> {
+    fn loss_and_grad(&mut self, mb: &Minibatch, w: Lora<'_>) -> Result<StepOutput> {
         let (cfg, sft) = (self.cfg, self.sft);
         if let Some(digit) = mb.digit_vocab.as_deref() {
-            let w: Vec<f32> = aggregation_weights(&mb.batch, Aggregation::TokenMean)
+            let weights: Vec<f32> = aggregation_weights(&mb.batch, Aggregation::TokenMean)
                 .iter()
                 .map(|&x| x as f32)
                 .collect();
@@ -163,10 +138,10 @@ impl StepBackend for Reference<'_> {
                 mb.base.view(),
                 mb.hs.view(),
                 &mb.tokens,
-                a,
-                b,
-                scale,
-                &w,
+                w.a,
+                w.b,
+                w.scale,
+                &weights,
                 &mb.digit_class,
                 digit,
             );
@@ -183,9 +158,9 @@ impl StepBackend for Reference<'_> {
             mb.base.view(),
             mb.hs.view(),
             &mb.tokens,
-            a,
-            b,
-            scale,
+            w.a,
+            w.b,
+            w.scale,
             ent_w
                 .as_ref()
                 .map(|w| (w.as_slice(), cfg.objective.entropy_coef as f32)),

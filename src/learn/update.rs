@@ -17,7 +17,7 @@ use super::diagnostics::Diagnostics;
 use super::objective::{
     lora_loss_and_grad, Aggregation, ClipMode, Granularity, ObjectiveConfig, TokenBatch,
 };
-use super::step::{self, Minibatch};
+use super::step::{self, Lora, Minibatch};
 use crate::adapter::{adapter_dir, f32_bytes, f32_tensor, Adapter};
 use crate::error::{Error, Result};
 use crate::graph::Device;
@@ -698,7 +698,12 @@ pub fn run_update(
         // graph's input of the right length while it computes the reference's own
         mb.batch.logp_ref = log_softmax_at(&mb.base, &mb.tokens);
         if let Some(r) = &kl_ref {
-            mb.batch.logp_ref = backend.logp(&mb, r.a.view(), r.b.view(), r.scale())?;
+            let w = Lora {
+                a: r.a.view(),
+                b: r.b.view(),
+                scale: r.scale(),
+            };
+            mb.batch.logp_ref = backend.logp(&mb, w)?;
         }
         // logp_old per turn under the adapter that generated it, computed by the same step
         // engine as the new log-probs (so the first ratio of the update is exactly 1)
@@ -710,7 +715,7 @@ pub fn run_update(
                     Some(ad) => (ad.a.view(), ad.b.view(), ad.scale()),
                     None => (current.a.view(), zero_b.view(), current.scale()),
                 };
-                let lp = backend.logp(&mb, a, b, sc)?;
+                let lp = backend.logp(&mb, Lora { a, b, scale: sc })?;
                 by_gen.insert(*gen, lp);
             }
         }
@@ -753,8 +758,12 @@ pub fn run_update(
     for _epoch in 0..cfg.epochs {
         for mb in &minibatches {
             let scale = current.scale();
-            let (loss, logp_new, da, db, stats) =
-                backend.loss_and_grad(mb, current.a.view(), current.b.view(), scale)?;
+            let w = Lora {
+                a: current.a.view(),
+                b: current.b.view(),
+                scale,
+            };
+            let (loss, logp_new, da, db, stats) = backend.loss_and_grad(mb, w)?;
             if first_ratio_dev.is_none() && !sft {
                 let dev = logp_new
                     .iter()
