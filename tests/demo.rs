@@ -297,7 +297,7 @@ fn two_engines_log_every_session_and_reproduce_a_seeded_run() {
         &["--engines", "3", "--threads", "2"],
         "--engines must be between 1 and --threads",
     );
-    refused(&["--eps-low", "1.5"], "--eps-low must lie in (0, 1)");
+    refused(&["--eps-low", "1.5"], "0 < eps_low < 1");
     // the global --db does not apply to a demo, which keeps its log in its run directory
     refused(&["--db", "elsewhere.db"], "--db does not apply");
 }

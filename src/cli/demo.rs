@@ -278,7 +278,7 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     cfg.rl
         .validate()
         .and_then(|()| cfg.warm.validate())
-        .context("the demo's learner settings")?;
+        .context("the demo's learner settings (--lr, --epochs, --eps-low, --eps-high, --adam-eps, --kl-warm)")?;
     let threads = usize::try_from(args.model.threads).unwrap_or(0);
     let n_engines = args.engines.unwrap_or(threads.clamp(1, 2));
     if n_engines == 0 || n_engines > threads {
