@@ -779,9 +779,9 @@ pub fn scripted_conversation(
     }
 }
 
-/// RL iterations of the default run: on a 2-core machine of the kind the results were measured
-/// on (`--threads 2`, two engines) warm start and evaluations take ~4 minutes and an iteration
-/// 3.5–5 minutes, ~25 minutes in all (docs/results.md).
+/// RL iterations of the default run: on an idle 2-core machine of the kind the results were
+/// measured on (`--threads 2`, two engines) warm start and evaluations take ~3 minutes and an
+/// iteration ~2.2 minutes, ~14 minutes in all (seed 4: 13.6 min; docs/results.md).
 pub const DEFAULT_ITERATIONS: usize = 5;
 
 /// The run: owns the engine handle, the run's store and the measurements.
