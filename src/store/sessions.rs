@@ -11,22 +11,6 @@ impl Store {
         insert_session(&self.conn, s)
     }
 
-    /// Creates a session together with its turns in one transaction (imports).
-    ///
-    /// # Errors
-    /// SQLite errors; nothing is written on error.
-    pub fn create_session_with_turns(
-        &mut self,
-        s: &NewSession,
-        turns: &[NewTurn],
-    ) -> Result<(i64, Vec<i64>)> {
-        let tx = self.write()?;
-        let id = insert_session(&tx, s)?;
-        let ids = insert_turns(&tx, id, turns)?;
-        tx.commit()?;
-        Ok((id, ids))
-    }
-
     /// Appends turns to a session in one transaction and returns their ids.
     ///
     /// # Errors
