@@ -5,6 +5,8 @@
 //! hidden state exactly as the output matmul saw it (the stored feature). `V(s) = σ(w·h_s + b)`.
 //! A fresh adapter has `B = 0`, so it adds exact zeros and leaves generation bit-identical.
 
+pub mod block;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 

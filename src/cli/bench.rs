@@ -238,7 +238,7 @@ pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
 fn train(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     use ndarray::Array2;
     use turnwise::adapter::Adapter;
-    use turnwise::graph::step::{OrtStep, StepInputs, StepKind};
+    use turnwise::graph::step::{ObjectiveInputs, OrtStep, StepInputs, StepKind};
     use turnwise::graph::Device;
     use turnwise::learn::objective::{
         clip_bounds, group_mean_matrix, lora_loss_and_grad, policy_weights, surrogate, Aggregation,
@@ -302,16 +302,18 @@ fn train(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
                 a: ad.a.view(),
                 b: ad.b.view(),
                 scale: ad.scale(),
-                tokens: &tokens,
-                w: f(&policy_weights(&obj, &batch)),
-                old: f(&batch.logp_old),
-                adv: f(&batch.adv),
-                lo: bounds.iter().map(|b| b.0 as f32).collect(),
-                hi: bounds.iter().map(|b| b.1 as f32).collect(),
-                gmat: Some(group_mean_matrix(&obj, &batch).mapv(|x| x as f32)),
-                kl: None,
-                entropy: None,
-                digit_class: None,
+                obj: ObjectiveInputs {
+                    tokens: &tokens,
+                    w: f(&policy_weights(&obj, &batch)),
+                    old: f(&batch.logp_old),
+                    adv: f(&batch.adv),
+                    lo: bounds.iter().map(|b| b.0 as f32).collect(),
+                    hi: bounds.iter().map(|b| b.1 as f32).collect(),
+                    gmat: Some(group_mean_matrix(&obj, &batch).mapv(|x| x as f32)),
+                    kl: None,
+                    entropy: None,
+                    digit_class: None,
+                },
             };
             let mut step = OrtStep::new(
                 StepKind::Surrogate {

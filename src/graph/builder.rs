@@ -5,8 +5,11 @@
 //! result is an ordinary inference graph whose outputs include the gradients, so ONNX Runtime's
 //! CPU or CUDA execution provider runs a training step without its training build.
 //!
-//! Broadcasting is deliberately limited: element-wise operands have the same shape, or one of
-//! them is a rank-0 scalar. Matrices are rank 2.
+//! Broadcasting is deliberately limited: element-wise operands have the same shape, one of them
+//! is a rank-0 scalar, an operand that needs no gradient has a lower rank (ONNX broadcasts it),
+//! or the caller names the axes along which an operand has size 1 (`*_bc`: its gradient is
+//! summed over them). Matrix products take operands of the same rank ≥ 2 (batched over the
+//! leading axes).
 
 use std::collections::HashMap;
 
@@ -70,12 +73,19 @@ enum Op {
     ReduceSumLast,
     Reshape,
     StopGradient,
+    Div,
+    Sqrt,
+    Softmax,
+    Permute(Vec<i64>),
+    StraightThrough,
 }
 
 struct Rec {
     op: Op,
     inputs: Vec<V>,
     output: V,
+    /// per operand: the axes along which it was broadcast (size 1 in it, kept as size 1)
+    bcast: [Vec<i64>; 2],
 }
 
 struct Value {
@@ -103,6 +113,22 @@ fn attr_int(name: &str, i: i64) -> AttributeProto {
         r#type: 2,
         ..Default::default()
     }
+}
+
+fn attr_ints(name: &str, ints: &[i64]) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        ints: ints.to_vec(),
+        r#type: 7,
+        ..Default::default()
+    }
+}
+
+/// The permutation that swaps the last two of `rank` axes.
+fn swap_last2(rank: usize) -> Vec<i64> {
+    let mut p: Vec<i64> = (0..rank as i64).collect();
+    p.swap(rank - 2, rank - 1);
+    p
 }
 
 fn value_info(name: &str, elem: i32, dims: &[Dim]) -> ValueInfoProto {
@@ -184,6 +210,10 @@ impl Graph {
     }
 
     fn record(&mut self, op: Op, inputs: &[V], out: V) -> V {
+        self.record_bc(op, inputs, out, [Vec::new(), Vec::new()])
+    }
+
+    fn record_bc(&mut self, op: Op, inputs: &[V], out: V, bcast: [Vec<i64>; 2]) -> V {
         let grad = match op {
             Op::StopGradient => false,
             _ => inputs.iter().any(|v| self.values[v.0].needs_grad),
@@ -193,8 +223,13 @@ impl Graph {
             op,
             inputs: inputs.to_vec(),
             output: out,
+            bcast,
         });
         out
+    }
+
+    fn needs_grad(&self, v: V) -> bool {
+        self.values[v.0].needs_grad
     }
 
     /// A floating-point graph input; `trainable` inputs get gradients from [`Graph::grad`].
@@ -257,6 +292,24 @@ impl Graph {
         v
     }
 
+    /// A constant tensor of the graph's element type (frozen weights), stored in the model.
+    pub fn constant(&mut self, name: &str, dims: &[usize], data: &[f32]) -> V {
+        assert_eq!(dims.iter().product::<usize>(), data.len(), "{name}: data does not fill its shape");
+        let v = self.value(dims.len(), false);
+        self.values[v.0].name = name.into();
+        let raw_data = match self.elem {
+            Elem::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Elem::F64 => data.iter().flat_map(|&x| f64::from(x).to_le_bytes()).collect(),
+        };
+        self.initializers.push(TensorProto {
+            dims: dims.iter().map(|&d| d as i64).collect(),
+            data_type: self.elem.code(),
+            name: name.into(),
+            raw_data,
+        });
+        v
+    }
+
     /// Marks a value as a graph output under `name`.
     pub fn output(&mut self, v: V, name: &str) {
         let src = self.name(v);
@@ -285,19 +338,103 @@ impl Graph {
     }
 
     fn binary(&mut self, op: Op, ty: &str, a: V, b: V) -> V {
+        self.binary_bc(op, ty, a, b, [Vec::new(), Vec::new()])
+    }
+
+    fn binary_bc(&mut self, op: Op, ty: &str, a: V, b: V, bcast: [Vec<i64>; 2]) -> V {
         let (ra, rb) = (self.rank(a), self.rank(b));
+        let lower_is_constant = (ra < rb && !self.needs_grad(a)) || (rb < ra && !self.needs_grad(b));
         assert!(
-            ra == rb || ra == 0 || rb == 0,
+            ra == rb || ra == 0 || rb == 0 || lower_is_constant,
             "{ty}: ranks {ra} and {rb} do not broadcast here"
         );
         let out = self.node(ty, &[self.name(a), self.name(b)], ra.max(rb), vec![]);
-        self.record(op, &[a, b], out)
+        self.record_bc(op, &[a, b], out, bcast)
     }
 
-    /// `a · b` for matrices.
+    /// `a · b` for operands of the same rank ≥ 2 (batched over leading axes).
     pub fn matmul(&mut self, a: V, b: V) -> V {
-        let out = self.node("MatMul", &[self.name(a), self.name(b)], 2, vec![]);
+        let (ra, rb) = (self.rank(a), self.rank(b));
+        assert!(ra == rb && ra >= 2, "matmul of ranks {ra} and {rb}");
+        let out = self.node("MatMul", &[self.name(a), self.name(b)], ra, vec![]);
         self.record(Op::MatMul, &[a, b], out)
+    }
+    /// Axes permuted as in ONNX `Transpose` with `perm`.
+    pub fn permute(&mut self, a: V, perm: &[i64]) -> V {
+        assert_eq!(perm.len(), self.rank(a), "permutation of the wrong rank");
+        let out = self.node(
+            "Transpose",
+            &[self.name(a)],
+            perm.len(),
+            vec![attr_ints("perm", perm)],
+        );
+        self.record(Op::Permute(perm.to_vec()), &[a], out)
+    }
+    /// `a / b`.
+    pub fn div(&mut self, a: V, b: V) -> V {
+        self.binary(Op::Div, "Div", a, b)
+    }
+    /// `√a`.
+    pub fn sqrt(&mut self, a: V) -> V {
+        self.unary(Op::Sqrt, "Sqrt", a, vec![])
+    }
+    /// Softmax over the last axis.
+    pub fn softmax(&mut self, a: V) -> V {
+        self.unary(Op::Softmax, "Softmax", a, vec![attr_int("axis", -1)])
+    }
+    /// `a ⊙ b` where `b` has size 1 along `b_axes` (same rank as `a`).
+    pub fn mul_bc(&mut self, a: V, b: V, b_axes: &[i64]) -> V {
+        self.binary_bc(Op::Mul, "Mul", a, b, [Vec::new(), b_axes.to_vec()])
+    }
+    /// `a / b` where `b` has size 1 along `b_axes` (same rank as `a`).
+    pub fn div_bc(&mut self, a: V, b: V, b_axes: &[i64]) -> V {
+        self.binary_bc(Op::Div, "Div", a, b, [Vec::new(), b_axes.to_vec()])
+    }
+    /// `a + b` where `b` has size 1 along `b_axes` (same rank as `a`).
+    pub fn add_bc(&mut self, a: V, b: V, b_axes: &[i64]) -> V {
+        self.binary_bc(Op::Add, "Add", a, b, [Vec::new(), b_axes.to_vec()])
+    }
+    /// `x` rounded through IEEE half precision (f32 → f16 → f32), with a straight-through
+    /// gradient (the rounding counts as the identity when differentiating).
+    pub fn round_f16(&mut self, x: V) -> V {
+        let r = self.rank(x);
+        let h = self.raw("Cast", &[x], r, vec![attr_int("to", 10)]);
+        let back = self.raw("Cast", &[h], r, vec![attr_int("to", i64::from(self.elem.code()))]);
+        self.record(Op::StraightThrough, &[x], back)
+    }
+    /// `x` `[N, width]` rounded through 8-bit blocks of 32 the way ggml's CPU backend quantises
+    /// activations to Q8_0 / Q8_1 before a quantised matmul: per block `amax = max|x|`,
+    /// `q = round_half_even(x · 127 / amax)` (0 when `amax = 0`), value `q · f16(amax / 127)`.
+    /// Straight-through gradient.
+    pub fn round_q8(&mut self, x: V, width: i64) -> V {
+        assert!(width % 32 == 0, "Q8 rows of {width} are not blocks of 32");
+        let shape = self.i64_const(&[-1, width / 32, 32]);
+        let xb = self.node("Reshape", &[self.name(x), shape], 3, vec![]);
+        let ab = self.raw("Abs", &[xb], 3, vec![]);
+        // opset 17: ReduceMax takes its axes as an attribute
+        let amax = self.raw(
+            "ReduceMax",
+            &[ab],
+            3,
+            vec![attr_ints("axes", &[-1]), attr_int("keepdims", 1)],
+        );
+        let c127 = self.scalar(127.0);
+        let d = self.raw("Div", &[amax, c127], 3, vec![]);
+        let dh = self.raw("Cast", &[d], 3, vec![attr_int("to", 10)]);
+        let d16 = self.raw("Cast", &[dh], 3, vec![attr_int("to", i64::from(self.elem.code()))]);
+        let zero = self.scalar(0.0);
+        let is0 = self.raw("Equal", &[amax, zero], 3, vec![]);
+        let one = self.scalar(1.0);
+        let safe = self.where_(is0, one, amax);
+        let id = self.raw("Div", &[c127, safe], 3, vec![]);
+        let id = self.where_(is0, zero, id);
+        let xs = self.raw("Mul", &[xb, id], 3, vec![]);
+        let q = self.raw("Round", &[xs], 3, vec![]);
+        let v = self.raw("Mul", &[q, d16], 3, vec![]);
+        let back = self.i64_const(&[-1, width]);
+        let vn = self.name(v);
+        let out = self.node("Reshape", &[vn, back], 2, vec![]);
+        self.record(Op::StraightThrough, &[x], out)
     }
     /// Matrix transpose.
     pub fn transpose(&mut self, a: V) -> V {
@@ -420,6 +557,17 @@ impl Graph {
         let r = self.rank(a).max(self.rank(b));
         self.raw("Where", &[c, a, b], r, vec![])
     }
+    /// Sums `g` down to the shape of `x`: over `axes` (kept) where `x` was broadcast along them;
+    /// a scalar operand receives the sum of everything.
+    fn unbroadcast_axes(&mut self, g: V, x: V, axes: &[i64]) -> V {
+        if !axes.is_empty() {
+            let ax = self.i64_const(axes);
+            let gn = self.name(g);
+            return self.node("ReduceSum", &[gn, ax], self.rank(x), vec![attr_int("keepdims", 1)]);
+        }
+        self.unbroadcast(g, x)
+    }
+
     /// Sums `g` down to the shape of `x` (a scalar operand receives the sum of everything).
     fn unbroadcast(&mut self, g: V, x: V) -> V {
         if self.rank(x) == 0 && self.rank(g) > 0 {
@@ -444,9 +592,9 @@ impl Graph {
         adj.insert(loss, one);
         let n = self.tape.len();
         for i in (0..n).rev() {
-            let (op, inputs, out) = {
+            let (op, inputs, out, bcast) = {
                 let r = &self.tape[i];
-                (r.op.clone(), r.inputs.clone(), r.output)
+                (r.op.clone(), r.inputs.clone(), r.output, r.bcast.clone())
             };
             let Some(&g) = adj.get(&out) else { continue };
             let needs: Vec<bool> = inputs.iter().map(|v| self.values[v.0].needs_grad).collect();
@@ -457,16 +605,60 @@ impl Graph {
             match op {
                 Op::MatMul => {
                     let (a, b) = (inputs[0], inputs[1]);
+                    let perm = vec![attr_ints("perm", &swap_last2(r))];
                     if needs[0] {
-                        let bt = self.raw("Transpose", &[b], 2, vec![]);
-                        let ga = self.raw("MatMul", &[g, bt], 2, vec![]);
+                        let bt = self.raw("Transpose", &[b], r, perm.clone());
+                        let ga = self.raw("MatMul", &[g, bt], r, vec![]);
                         self.accumulate(&mut adj, a, ga);
                     }
                     if needs[1] {
-                        let at = self.raw("Transpose", &[a], 2, vec![]);
-                        let gb = self.raw("MatMul", &[at, g], 2, vec![]);
+                        let at = self.raw("Transpose", &[a], r, perm);
+                        let gb = self.raw("MatMul", &[at, g], r, vec![]);
                         self.accumulate(&mut adj, b, gb);
                     }
+                }
+                Op::Permute(perm) => {
+                    let mut inv = vec![0i64; perm.len()];
+                    for (i, &p) in perm.iter().enumerate() {
+                        inv[p as usize] = i as i64;
+                    }
+                    let ga = self.raw("Transpose", &[g], r, vec![attr_ints("perm", &inv)]);
+                    self.accumulate(&mut adj, inputs[0], ga);
+                }
+                Op::Div => {
+                    let (a, b) = (inputs[0], inputs[1]);
+                    if needs[0] {
+                        let t = self.raw("Div", &[g, b], r, vec![]);
+                        let ga = self.unbroadcast_axes(t, a, &bcast[0]);
+                        self.accumulate(&mut adj, a, ga);
+                    }
+                    if needs[1] {
+                        // ∂(a/b)/∂b = −(a/b)/b
+                        let t = self.raw("Mul", &[g, out], r, vec![]);
+                        let t = self.raw("Div", &[t, b], r, vec![]);
+                        let t = self.raw("Neg", &[t], r, vec![]);
+                        let gb = self.unbroadcast_axes(t, b, &bcast[1]);
+                        self.accumulate(&mut adj, b, gb);
+                    }
+                }
+                Op::Sqrt => {
+                    let half = self.scalar(0.5);
+                    let t = self.raw("Div", &[g, out], r, vec![]);
+                    let ga = self.raw("Mul", &[t, half], r, vec![]);
+                    self.accumulate(&mut adj, inputs[0], ga);
+                }
+                Op::Softmax => {
+                    // y ⊙ (g − Σ g ⊙ y)
+                    let gy = self.raw("Mul", &[g, out], r, vec![]);
+                    let axes = self.i64_const(&[-1]);
+                    let gyn = self.name(gy);
+                    let s = self.node("ReduceSum", &[gyn, axes], r, vec![attr_int("keepdims", 1)]);
+                    let d = self.raw("Sub", &[g, s], r, vec![]);
+                    let ga = self.raw("Mul", &[out, d], r, vec![]);
+                    self.accumulate(&mut adj, inputs[0], ga);
+                }
+                Op::StraightThrough => {
+                    self.accumulate(&mut adj, inputs[0], g);
                 }
                 Op::Transpose => {
                     let ga = self.raw("Transpose", &[g], 2, vec![]);
@@ -474,11 +666,11 @@ impl Graph {
                 }
                 Op::Add | Op::Sub => {
                     if needs[0] {
-                        let ga = self.unbroadcast(g, inputs[0]);
+                        let ga = self.unbroadcast_axes(g, inputs[0], &bcast[0]);
                         self.accumulate(&mut adj, inputs[0], ga);
                     }
                     if needs[1] {
-                        let gb = self.unbroadcast(g, inputs[1]);
+                        let gb = self.unbroadcast_axes(g, inputs[1], &bcast[1]);
                         let gb = if matches!(op, Op::Sub) {
                             self.raw("Neg", &[gb], self.rank(inputs[1]), vec![])
                         } else {
@@ -491,12 +683,12 @@ impl Graph {
                     let (a, b) = (inputs[0], inputs[1]);
                     if needs[0] {
                         let t = self.raw("Mul", &[g, b], r, vec![]);
-                        let ga = self.unbroadcast(t, a);
+                        let ga = self.unbroadcast_axes(t, a, &bcast[0]);
                         self.accumulate(&mut adj, a, ga);
                     }
                     if needs[1] {
                         let t = self.raw("Mul", &[g, a], r, vec![]);
-                        let gb = self.unbroadcast(t, b);
+                        let gb = self.unbroadcast_axes(t, b, &bcast[1]);
                         self.accumulate(&mut adj, b, gb);
                     }
                 }
@@ -814,6 +1006,130 @@ mod tests {
             },
             (-1.0, 1.0),
         );
+    }
+
+    #[test]
+    fn vjp_rules_of_the_block_ops_match_finite_differences() {
+        let m = &[3usize, 4][..];
+        check(
+            "batched matmul",
+            &[&[2, 3, 4], &[2, 4, 5]],
+            &[2, 3, 5],
+            |g, x| g.matmul(x[0], x[1]),
+            (-1.0, 1.0),
+        );
+        check(
+            "permute",
+            &[&[2, 3, 4]],
+            &[3, 4, 2],
+            |g, x| g.permute(x[0], &[1, 2, 0]),
+            (-1.0, 1.0),
+        );
+        check("div", &[m, m], m, |g, x| g.div(x[0], x[1]), (0.5, 2.0));
+        check(
+            "div scalar",
+            &[m, &[]],
+            m,
+            |g, x| g.div(x[0], x[1]),
+            (0.5, 2.0),
+        );
+        check("sqrt", &[m], m, |g, x| g.sqrt(x[0]), (0.5, 2.0));
+        check("softmax", &[m], m, |g, x| g.softmax(x[0]), (-2.0, 2.0));
+        check(
+            "softmax rank 3",
+            &[&[2, 3, 4]],
+            &[2, 3, 4],
+            |g, x| g.softmax(x[0]),
+            (-2.0, 2.0),
+        );
+        check(
+            "mul_bc",
+            &[m, &[3, 1]],
+            m,
+            |g, x| g.mul_bc(x[0], x[1], &[-1]),
+            (-1.0, 1.0),
+        );
+        check(
+            "div_bc",
+            &[m, &[1, 4]],
+            m,
+            |g, x| g.div_bc(x[0], x[1], &[0]),
+            (0.5, 2.0),
+        );
+        check(
+            "add_bc",
+            &[&[2, 3, 4], &[2, 1, 4]],
+            &[2, 3, 4],
+            |g, x| g.add_bc(x[0], x[1], &[1]),
+            (-1.0, 1.0),
+        );
+    }
+
+    /// Runs a one-input f32 graph `y = f(x)`, `loss = Σ w ⊙ y`, returning `y` and `∂loss/∂x`.
+    fn run_f32(
+        x: &ndarray::Array2<f32>,
+        w: &ndarray::Array2<f32>,
+        f: impl Fn(&mut Graph, V) -> V,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let mut g = Graph::new(Elem::F32);
+        let (n, d) = x.dim();
+        let xv = g.input("x", &[Dim::Fixed(n as i64), Dim::Fixed(d as i64)], true);
+        let wv = g.input("w", &[Dim::Fixed(n as i64), Dim::Fixed(d as i64)], false);
+        let y = f(&mut g, xv);
+        let p = g.mul(y, wv);
+        let l = g.reduce_sum_all(p);
+        let gr = g.grad(l, &[xv]);
+        g.output(y, "y");
+        g.output(gr[0], "gx");
+        let (mut sess, _) = session(&g.to_bytes(), Device::Cpu, 1).unwrap();
+        let out = sess
+            .run(vec![
+                ("x", Tensor::from_array(x.clone()).unwrap()),
+                ("w", Tensor::from_array(w.clone()).unwrap()),
+            ])
+            .unwrap();
+        let get = |k: &str| -> Vec<f32> {
+            out[k]
+                .try_extract_array::<f32>()
+                .unwrap()
+                .iter()
+                .copied()
+                .collect()
+        };
+        (get("y"), get("gx"))
+    }
+
+    #[test]
+    fn straight_through_rounding_matches_ggml_and_passes_the_gradient() {
+        use crate::policy::llama;
+        let mut r = Rng::new(5);
+        let x = ndarray::Array2::from_shape_fn((3, 64), |(i, j)| {
+            if i == 2 && j < 32 {
+                0.0 // an all-zero block quantises to zeros
+            } else {
+                ((r.next_f64() * 2.0 - 1.0) * 3.0) as f32
+            }
+        });
+        let w = ndarray::Array2::from_shape_fn((3, 64), |(i, j)| (i * 64 + j) as f32 * 0.01);
+        let (y, gx) = run_f32(&x, &w, |g, v| g.round_q8(v, 64));
+        for (ty, name) in [
+            (llama_cpp_sys_2::GGML_TYPE_Q8_1, "Q8_1"),
+            (llama_cpp_sys_2::GGML_TYPE_Q8_0, "Q8_0"),
+        ] {
+            for i in 0..3 {
+                let row: Vec<f32> = x.row(i).to_vec();
+                let want = llama::round_through(ty, &row).unwrap();
+                assert_eq!(&y[i * 64..(i + 1) * 64], &want[..], "{name} row {i}");
+            }
+        }
+        assert_eq!(gx, w.iter().copied().collect::<Vec<_>>());
+        let (y, gx) = run_f32(&x, &w, |g, v| g.round_f16(v));
+        let want: Vec<f32> = x
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_f32())
+            .collect();
+        assert_eq!(y, want);
+        assert_eq!(gx, w.iter().copied().collect::<Vec<_>>());
     }
 
     #[test]

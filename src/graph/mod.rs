@@ -1,6 +1,7 @@
 //! The learner's compute graphs: ONNX protobuf written in Rust, differentiated by a small
 //! reverse-mode builder, run by ONNX Runtime on the CPU or CUDA execution provider.
 
+pub mod block;
 pub mod builder;
 pub mod onnx;
 pub mod runtime;

@@ -10,7 +10,7 @@ use ndarray::{Array1, Array2, ArrayView2};
 use ort::session::Session;
 use ort::value::Tensor;
 
-use super::builder::{Dim, Elem, Graph};
+use super::builder::{Dim, Elem, Graph, V};
 use super::runtime::{self, Device};
 use crate::error::{Error, Result};
 use crate::learn::objective::Granularity;
@@ -39,14 +39,12 @@ pub enum StepKind {
 /// Builds the step graph; inputs are named as in [`StepInputs`], outputs are `loss`, `logp`,
 /// `grad_a`, `grad_b`.
 pub fn build(kind: StepKind, elem: Elem) -> Vec<u8> {
-    use Dim::{Fixed, Sym};
+    use Dim::Sym;
     let mut g = Graph::new(elem);
     let base = g.input("base", &[Sym("T"), Sym("V")], false);
     let h = g.input("h", &[Sym("T"), Sym("D")], false);
     let a = g.input("a", &[Sym("R"), Sym("D")], true);
     let b = g.input("b", &[Sym("V"), Sym("R")], true);
-    let tok = g.input_i64("tok", &[Sym("T"), Fixed(1)]);
-    let w = g.input("w", &[Sym("T")], false);
     let scale = g.input("scale", &[], false);
     // logits = base + s · (h Aᵀ) Bᵀ
     let at = g.transpose(a);
@@ -55,6 +53,22 @@ pub fn build(kind: StepKind, elem: Elem) -> Vec<u8> {
     let low = g.matmul(u, bt);
     let low = g.mul(low, scale);
     let z = g.add(base, low);
+    let (loss, lp) = objective(&mut g, kind, z);
+    let grads = g.grad(loss, &[a, b]);
+    g.output(loss, "loss");
+    g.output(lp, "logp");
+    g.output(grads[0], "grad_a");
+    g.output(grads[1], "grad_b");
+    g.to_bytes()
+}
+
+/// The loss of `kind` over logits `z` (`[T, V]`, one row per scored token), declaring the
+/// inputs it reads (`tok`, `w`, and per kind `old`, `adv`, `lo`, `hi`, `gmat`, `ref`, …).
+/// Returns `(loss, logp)`. Shared by the output-LoRA and block-LoRA graphs.
+pub(crate) fn objective(g: &mut Graph, kind: StepKind, z: V) -> (V, V) {
+    use Dim::{Fixed, Sym};
+    let tok = g.input_i64("tok", &[Sym("T"), Fixed(1)]);
+    let w = g.input("w", &[Sym("T")], false);
     let ls = g.log_softmax(z);
     let lp2 = g.gather_elements(ls, tok);
     let lp = g.reshape(lp2, &[-1]);
@@ -147,26 +161,11 @@ pub fn build(kind: StepKind, elem: Elem) -> Vec<u8> {
             }
         }
     };
-    let grads = g.grad(loss, &[a, b]);
-    g.output(loss, "loss");
-    g.output(lp, "logp");
-    g.output(grads[0], "grad_a");
-    g.output(grads[1], "grad_b");
-    g.to_bytes()
+    (loss, lp)
 }
 
-/// The per-step inputs (f32).
-pub struct StepInputs<'a> {
-    /// base logits `[T, V]`
-    pub base: ArrayView2<'a, f32>,
-    /// features `[T, D]`
-    pub h: ArrayView2<'a, f32>,
-    /// LoRA A `[R, D]`
-    pub a: ArrayView2<'a, f32>,
-    /// LoRA B `[V, R]`
-    pub b: ArrayView2<'a, f32>,
-    /// α / r
-    pub scale: f32,
+/// The inputs of a step's objective (f32), shared by the output-LoRA and block-LoRA graphs.
+pub struct ObjectiveInputs<'a> {
     /// sampled token ids
     pub tokens: &'a [usize],
     /// policy weights (aggregation × TIS), or the cross-entropy weights
@@ -188,6 +187,123 @@ pub struct StepInputs<'a> {
     /// digit-class cross-entropy: per vocabulary entry 1 for a digit token, per token 1 where
     /// the digit class replaces the token's log-prob
     pub digit_class: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl<'a> ObjectiveInputs<'a> {
+    /// Cross-entropy inputs: `−Σ w · logp(tokens)`.
+    pub fn cross_entropy(tokens: &'a [usize], w: Vec<f32>) -> Self {
+        let n = tokens.len();
+        ObjectiveInputs {
+            tokens,
+            w,
+            old: vec![0.0; n],
+            adv: vec![0.0; n],
+            lo: vec![1.0; n],
+            hi: vec![1.0; n],
+            gmat: None,
+            kl: None,
+            entropy: None,
+            digit_class: None,
+        }
+    }
+}
+
+/// The per-step inputs of the output-LoRA graph (f32).
+pub struct StepInputs<'a> {
+    /// base logits `[T, V]`
+    pub base: ArrayView2<'a, f32>,
+    /// features `[T, D]`
+    pub h: ArrayView2<'a, f32>,
+    /// LoRA A `[R, D]`
+    pub a: ArrayView2<'a, f32>,
+    /// LoRA B `[V, R]`
+    pub b: ArrayView2<'a, f32>,
+    /// α / r
+    pub scale: f32,
+    /// the objective's inputs
+    pub obj: ObjectiveInputs<'a>,
+}
+
+/// The session inputs of `kind`'s objective, named as [`objective`] declares them.
+///
+/// # Errors
+/// [`Error::Invalid`] when an input the kind needs is missing; [`Error::Ort`].
+pub(crate) fn objective_feed(
+    kind: StepKind,
+    x: &ObjectiveInputs<'_>,
+) -> Result<Vec<(&'static str, ort::session::SessionInputValue<'static>)>> {
+    let e = |what: &'static str| move |err: ort::Error| Error::Ort(format!("{what}: {err}"));
+    let t = x.tokens.len();
+    let tensor = |v: ArrayView2<'_, f32>| Tensor::from_array(v.to_owned()).map_err(e("input"));
+    let vec = |v: &[f32]| Tensor::from_array(Array1::from(v.to_vec())).map_err(e("input"));
+    let mut inputs: Vec<(&str, ort::session::SessionInputValue<'_>)> = vec![
+        (
+            "tok",
+            Tensor::from_array(Array2::from_shape_fn((t, 1), |(i, _)| x.tokens[i] as i64))
+                .map_err(e("input"))?
+                .into(),
+        ),
+        ("w", vec(&x.w)?.into()),
+    ];
+    if let StepKind::CrossEntropy { digit_class: true } = kind {
+        let (dmask, cls) = x
+            .digit_class
+            .as_ref()
+            .ok_or_else(|| Error::Invalid("digit-class inputs missing".into()))?;
+        let v = dmask.len();
+        inputs.push((
+            "dmask",
+            Tensor::from_array(Array2::from_shape_fn((v, 1), |(i, _)| dmask[i]))
+                .map_err(e("input"))?
+                .into(),
+        ));
+        inputs.push(("cls", vec(cls)?.into()));
+    }
+    if let StepKind::Surrogate {
+        granularity,
+        kl,
+        entropy,
+    } = kind
+    {
+        if entropy {
+            let (we, c) = x
+                .entropy
+                .as_ref()
+                .ok_or_else(|| Error::Invalid("entropy inputs missing".into()))?;
+            inputs.push(("w_ent", vec(we)?.into()));
+            inputs.push((
+                "ent_coef",
+                Tensor::from_array(ndarray::arr0(*c))
+                    .map_err(e("input"))?
+                    .into(),
+            ));
+        }
+        inputs.push(("old", vec(&x.old)?.into()));
+        inputs.push(("adv", vec(&x.adv)?.into()));
+        inputs.push(("lo", vec(&x.lo)?.into()));
+        inputs.push(("hi", vec(&x.hi)?.into()));
+        if granularity != Granularity::Token {
+            let m = x
+                .gmat
+                .as_ref()
+                .ok_or_else(|| Error::Invalid("group matrix missing".into()))?;
+            inputs.push(("gmat", tensor(m.view())?.into()));
+        }
+        if kl {
+            let (rf, wk, c) =
+                x.kl.as_ref()
+                    .ok_or_else(|| Error::Invalid("KL inputs missing".into()))?;
+            inputs.push(("ref", vec(rf)?.into()));
+            inputs.push(("w_kl", vec(wk)?.into()));
+            inputs.push((
+                "kl_coef",
+                Tensor::from_array(ndarray::arr0(*c))
+                    .map_err(e("input"))?
+                    .into(),
+            ));
+        }
+    }
+    Ok(inputs)
 }
 
 /// The step graph in an ONNX Runtime session.
@@ -221,21 +337,12 @@ impl OrtStep {
     /// [`Error::Ort`] when ONNX Runtime fails.
     pub fn run(&mut self, x: &StepInputs<'_>) -> Result<StepOutput> {
         let e = |what: &'static str| move |err: ort::Error| Error::Ort(format!("{what}: {err}"));
-        let t = x.tokens.len();
         let tensor = |v: ArrayView2<'_, f32>| Tensor::from_array(v.to_owned()).map_err(e("input"));
-        let vec = |v: &[f32]| Tensor::from_array(Array1::from(v.to_vec())).map_err(e("input"));
         let mut inputs: Vec<(&str, ort::session::SessionInputValue<'_>)> = vec![
             ("base", tensor(x.base)?.into()),
             ("h", tensor(x.h)?.into()),
             ("a", tensor(x.a)?.into()),
             ("b", tensor(x.b)?.into()),
-            (
-                "tok",
-                Tensor::from_array(Array2::from_shape_fn((t, 1), |(i, _)| x.tokens[i] as i64))
-                    .map_err(e("input"))?
-                    .into(),
-            ),
-            ("w", vec(&x.w)?.into()),
             (
                 "scale",
                 Tensor::from_array(ndarray::arr0(x.scale))
@@ -243,64 +350,7 @@ impl OrtStep {
                     .into(),
             ),
         ];
-        if let StepKind::CrossEntropy { digit_class: true } = self.kind {
-            let (dmask, cls) = x
-                .digit_class
-                .as_ref()
-                .ok_or_else(|| Error::Invalid("digit-class inputs missing".into()))?;
-            let v = dmask.len();
-            inputs.push((
-                "dmask",
-                Tensor::from_array(Array2::from_shape_fn((v, 1), |(i, _)| dmask[i]))
-                    .map_err(e("input"))?
-                    .into(),
-            ));
-            inputs.push(("cls", vec(cls)?.into()));
-        }
-        if let StepKind::Surrogate {
-            granularity,
-            kl,
-            entropy,
-        } = self.kind
-        {
-            if entropy {
-                let (we, c) = x
-                    .entropy
-                    .as_ref()
-                    .ok_or_else(|| Error::Invalid("entropy inputs missing".into()))?;
-                inputs.push(("w_ent", vec(we)?.into()));
-                inputs.push((
-                    "ent_coef",
-                    Tensor::from_array(ndarray::arr0(*c))
-                        .map_err(e("input"))?
-                        .into(),
-                ));
-            }
-            inputs.push(("old", vec(&x.old)?.into()));
-            inputs.push(("adv", vec(&x.adv)?.into()));
-            inputs.push(("lo", vec(&x.lo)?.into()));
-            inputs.push(("hi", vec(&x.hi)?.into()));
-            if granularity != Granularity::Token {
-                let m = x
-                    .gmat
-                    .as_ref()
-                    .ok_or_else(|| Error::Invalid("group matrix missing".into()))?;
-                inputs.push(("gmat", tensor(m.view())?.into()));
-            }
-            if kl {
-                let (rf, wk, c) =
-                    x.kl.as_ref()
-                        .ok_or_else(|| Error::Invalid("KL inputs missing".into()))?;
-                inputs.push(("ref", vec(rf)?.into()));
-                inputs.push(("w_kl", vec(wk)?.into()));
-                inputs.push((
-                    "kl_coef",
-                    Tensor::from_array(ndarray::arr0(*c))
-                        .map_err(e("input"))?
-                        .into(),
-                ));
-            }
-        }
+        inputs.extend(objective_feed(self.kind, &x.obj)?);
         let out = self.session.run(inputs).map_err(e("running the step"))?;
         let get = |name: &str| -> Result<ndarray::ArrayD<f32>> {
             Ok(out[name]
@@ -433,23 +483,25 @@ mod tests {
                     a: af.view(),
                     b: bbf.view(),
                     scale: scale as f32,
-                    tokens: &tokens,
-                    w: f32v(&policy_weights(&cfg, &batch)),
-                    old: f32v(&batch.logp_old),
-                    adv: f32v(&batch.adv),
-                    lo: bounds.iter().map(|b| b.0 as f32).collect(),
-                    hi: bounds.iter().map(|b| b.1 as f32).collect(),
-                    gmat: Some(group_mean_matrix(&cfg, &batch).mapv(|x| x as f32)),
-                    kl: Some((
-                        f32v(&batch.logp_ref),
-                        f32v(&crate::learn::objective::aggregation_weights(
-                            &batch,
-                            cfg.aggregation,
+                    obj: ObjectiveInputs {
+                        tokens: &tokens,
+                        w: f32v(&policy_weights(&cfg, &batch)),
+                        old: f32v(&batch.logp_old),
+                        adv: f32v(&batch.adv),
+                        lo: bounds.iter().map(|b| b.0 as f32).collect(),
+                        hi: bounds.iter().map(|b| b.1 as f32).collect(),
+                        gmat: Some(group_mean_matrix(&cfg, &batch).mapv(|x| x as f32)),
+                        kl: Some((
+                            f32v(&batch.logp_ref),
+                            f32v(&crate::learn::objective::aggregation_weights(
+                                &batch,
+                                cfg.aggregation,
+                            )),
+                            0.1,
                         )),
-                        0.1,
-                    )),
-                    entropy: Some((f32v(&w_ent), 0.05)),
-                    digit_class: None,
+                        entropy: Some((f32v(&w_ent), 0.05)),
+                        digit_class: None,
+                    },
                 };
                 assert_step_matches(
                     &format!("{g:?} {c:?}"),
@@ -492,16 +544,18 @@ mod tests {
             a: af.view(),
             b: bbf.view(),
             scale: scale as f32,
-            tokens: &tokens,
-            w: f32v(&w),
-            old: vec![],
-            adv: vec![],
-            lo: vec![],
-            hi: vec![],
-            gmat: None,
-            kl: None,
-            entropy: None,
-            digit_class,
+            obj: ObjectiveInputs {
+                tokens: &tokens,
+                w: f32v(&w),
+                old: vec![],
+                adv: vec![],
+                lo: vec![],
+                hi: vec![],
+                gmat: None,
+                kl: None,
+                entropy: None,
+                digit_class,
+            },
         };
         let (loss, _, da, _) = ce.run(&ce_inputs(None)).unwrap();
         assert!((loss as f64 - l_ref).abs() < 1e-4 * (1.0 + l_ref.abs()));
@@ -613,16 +667,18 @@ mod tests {
                 a: af.view(),
                 b: bbf.view(),
                 scale: 2.0,
-                tokens: &tokens,
-                w: f32v(&policy_weights(&cfg, &batch)),
-                old: f32v(&batch.logp_old),
-                adv: f32v(&batch.adv),
-                lo: bounds.iter().map(|b| b.0 as f32).collect(),
-                hi: bounds.iter().map(|b| b.1 as f32).collect(),
-                gmat: None,
-                kl: None,
-                entropy: None,
-                digit_class: None,
+                obj: ObjectiveInputs {
+                    tokens: &tokens,
+                    w: f32v(&policy_weights(&cfg, &batch)),
+                    old: f32v(&batch.logp_old),
+                    adv: f32v(&batch.adv),
+                    lo: bounds.iter().map(|b| b.0 as f32).collect(),
+                    hi: bounds.iter().map(|b| b.1 as f32).collect(),
+                    gmat: None,
+                    kl: None,
+                    entropy: None,
+                    digit_class: None,
+                },
             };
             let kind = StepKind::Surrogate {
                 granularity: Granularity::Token,

@@ -22,6 +22,7 @@
 
 pub mod advantages;
 pub mod annotate;
+pub mod block;
 mod batch;
 mod credit;
 pub mod diagnostics;

@@ -13,7 +13,7 @@ use super::objective::{
 };
 use super::update::{Backend, TrainConfig};
 use crate::error::Result;
-use crate::graph::step::{OrtStep, StepInputs, StepKind};
+use crate::graph::step::{ObjectiveInputs, OrtStep, StepInputs, StepKind};
 
 /// What one step computed: loss, new log-probs, gradients of LoRA A and B, and (for RL) the
 /// surrogate's statistics.
@@ -234,34 +234,36 @@ pub(super) fn step_inputs<'a>(
         a,
         b,
         scale,
-        tokens: &mb.tokens,
-        w,
-        old: if ready {
-            f(&mb.batch.logp_old)
-        } else {
-            vec![0.0; n]
+        obj: ObjectiveInputs {
+            tokens: &mb.tokens,
+            w,
+            old: if ready {
+                f(&mb.batch.logp_old)
+            } else {
+                vec![0.0; n]
+            },
+            adv: f(&mb.batch.adv),
+            lo: bounds.iter().map(|b| b.0 as f32).collect(),
+            hi: bounds.iter().map(|b| b.1 as f32).collect(),
+            gmat: (!sft && cfg.objective.granularity != Granularity::Token)
+                .then(|| group_mean_matrix(&cfg.objective, &mb.batch).mapv(|x| x as f32)),
+            kl: (cfg.objective.kl_coef > 0.0).then(|| {
+                (
+                    f(&mb.batch.logp_ref),
+                    f(&aggregation_weights(&mb.batch, cfg.objective.aggregation)),
+                    cfg.objective.kl_coef as f32,
+                )
+            }),
+            entropy: (!sft && cfg.objective.entropy_coef > 0.0).then(|| {
+                (
+                    f(&aggregation_weights(&mb.batch, cfg.objective.aggregation)),
+                    cfg.objective.entropy_coef as f32,
+                )
+            }),
+            digit_class: mb.digit_vocab.as_ref().map(|v| {
+                let f01 = |x: &[bool]| x.iter().map(|&c| f32::from(u8::from(c))).collect();
+                (f01(v), f01(&mb.digit_class))
+            }),
         },
-        adv: f(&mb.batch.adv),
-        lo: bounds.iter().map(|b| b.0 as f32).collect(),
-        hi: bounds.iter().map(|b| b.1 as f32).collect(),
-        gmat: (!sft && cfg.objective.granularity != Granularity::Token)
-            .then(|| group_mean_matrix(&cfg.objective, &mb.batch).mapv(|x| x as f32)),
-        kl: (cfg.objective.kl_coef > 0.0).then(|| {
-            (
-                f(&mb.batch.logp_ref),
-                f(&aggregation_weights(&mb.batch, cfg.objective.aggregation)),
-                cfg.objective.kl_coef as f32,
-            )
-        }),
-        entropy: (!sft && cfg.objective.entropy_coef > 0.0).then(|| {
-            (
-                f(&aggregation_weights(&mb.batch, cfg.objective.aggregation)),
-                cfg.objective.entropy_coef as f32,
-            )
-        }),
-        digit_class: mb.digit_vocab.as_ref().map(|v| {
-            let f01 = |x: &[bool]| x.iter().map(|&c| f32::from(u8::from(c))).collect();
-            (f01(v), f01(&mb.digit_class))
-        }),
     }
 }

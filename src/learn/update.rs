@@ -351,22 +351,29 @@ pub struct UpdateReport {
     pub diagnostics: Diagnostics,
 }
 
+/// AdamW over a list of matrices (bias-corrected moments, decoupled weight decay).
 #[derive(Clone)]
-struct AdamW {
+pub(crate) struct AdamW {
     m: Vec<Array2<f32>>,
     v: Vec<Array2<f32>>,
     t: i32,
 }
 
 impl AdamW {
-    fn new(shapes: &[(usize, usize)]) -> Self {
+    pub(crate) fn new(shapes: &[(usize, usize)]) -> Self {
         AdamW {
             m: shapes.iter().map(|&s| Array2::zeros(s)).collect(),
             v: shapes.iter().map(|&s| Array2::zeros(s)).collect(),
             t: 0,
         }
     }
-    fn step(&mut self, params: &mut [&mut Array2<f32>], grads: &[Array2<f32>], hp: [f64; 3]) {
+    /// One step with `[lr, weight decay, eps]`.
+    pub(crate) fn step(
+        &mut self,
+        params: &mut [&mut Array2<f32>],
+        grads: &[Array2<f32>],
+        hp: [f64; 3],
+    ) {
         let [lr, wd, eps] = hp;
         self.t += 1;
         let (b1, b2, eps) = (0.9f32, 0.999f32, eps as f32);

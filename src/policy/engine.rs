@@ -529,6 +529,7 @@ impl Worker {
                 n_batch: cfg.n_batch,
                 n_threads: cfg.n_threads,
                 capture_hidden: cfg.capture_hidden,
+                capture_block: None,
             },
         )?;
         let template = match (&cfg.template, model.chat_template()) {

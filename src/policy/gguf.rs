@@ -35,6 +35,8 @@ pub struct GgufIndex {
     pub tokens: Vec<String>,
     /// absolute offset of the data section
     pub data_start: u64,
+    /// every scalar metadata value (numbers, booleans and strings) as text, by key
+    pub meta: std::collections::HashMap<String, String>,
 }
 
 const MAX_STRING: u64 = 1 << 26;
@@ -119,12 +121,20 @@ impl<R: Read> Reader<R> {
         self.r
             .read_exact(&mut b[..fixed])
             .map_err(|_| self.bad("truncated GGUF header"))?;
-        if ty == 4 {
-            return Ok(Some(
-                u32::from_le_bytes([b[0], b[1], b[2], b[3]]).to_string(),
-            ));
-        }
-        Ok(None)
+        let [b0, b1, b2, b3, ..] = b;
+        Ok(Some(match ty {
+            0 => b0.to_string(),
+            1 => (b0 as i8).to_string(),
+            2 => u16::from_le_bytes([b0, b1]).to_string(),
+            3 => i16::from_le_bytes([b0, b1]).to_string(),
+            4 => u32::from_le_bytes([b0, b1, b2, b3]).to_string(),
+            5 => i32::from_le_bytes([b0, b1, b2, b3]).to_string(),
+            6 => f32::from_le_bytes([b0, b1, b2, b3]).to_string(),
+            7 => (b0 != 0).to_string(),
+            10 => u64::from_le_bytes(b).to_string(),
+            11 => i64::from_le_bytes(b).to_string(),
+            _ => f64::from_le_bytes(b).to_string(),
+        }))
     }
 }
 
@@ -159,6 +169,7 @@ impl GgufIndex {
         }
         let (mut architecture, mut name, mut alignment) = (None, None, 32u64);
         let mut tokens = Vec::new();
+        let mut meta = std::collections::HashMap::new();
         for _ in 0..n_kv {
             let key = rd.string()?;
             let ty = rd.u32()?;
@@ -167,6 +178,9 @@ impl GgufIndex {
                 continue;
             }
             let v = rd.value(ty)?;
+            if let Some(v) = &v {
+                meta.insert(key.clone(), v.clone());
+            }
             match key.as_str() {
                 "general.architecture" => architecture = v,
                 "general.name" => name = v,
@@ -205,7 +219,22 @@ impl GgufIndex {
             tensors,
             tokens,
             data_start,
+            meta,
         })
+    }
+
+    /// A numeric metadata value.
+    ///
+    /// # Errors
+    /// [`Error::BadModel`] naming the key when it is missing or not a number.
+    pub fn meta_f64(&self, key: &str) -> Result<f64> {
+        self.meta
+            .get(key)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| Error::BadModel {
+                path: self.path.clone(),
+                reason: format!("metadata {key} is missing or not a number"),
+            })
     }
 
     /// Looks a tensor up by name.

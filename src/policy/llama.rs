@@ -276,6 +276,9 @@ struct Capture {
     enabled: bool,
     n_embd: usize,
     rows: Vec<f32>,
+    /// `l_out-N` to capture for every row (block LoRA's input), NUL-terminated name
+    block: Option<Vec<u8>>,
+    block_rows: Vec<f32>,
 }
 
 const RESULT_NORM: &[u8] = b"result_norm";
@@ -289,9 +292,21 @@ unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, user: *m
     unsafe {
         let cap = &mut *(user as *mut Capture);
         let name = CStr::from_ptr((*t).name.as_ptr());
+        let block = cap.block.as_deref() == Some(name.to_bytes());
         let wanted = cap.enabled && name.to_bytes() == RESULT_NORM;
         if ask {
-            return wanted;
+            return wanted || block;
+        }
+        if block && (*t).type_ == sys::GGML_TYPE_F32 && (*t).ne[0] as usize == cap.n_embd {
+            let n = (*t).ne[0] as usize * (*t).ne[1] as usize;
+            let start = cap.block_rows.len();
+            cap.block_rows.resize(start + n, 0.0);
+            sys::ggml_backend_tensor_get(
+                t,
+                cap.block_rows[start..].as_mut_ptr() as *mut c_void,
+                0,
+                n * std::mem::size_of::<f32>(),
+            );
         }
         if wanted && (*t).type_ == sys::GGML_TYPE_F32 {
             let ne0 = (*t).ne[0] as usize;
@@ -322,6 +337,9 @@ pub struct ContextParams {
     pub n_threads: i32,
     /// capture `result_norm` for every output row
     pub capture_hidden: bool,
+    /// capture `l_out-N` (the output of block N) for every row, and run attention without
+    /// flash attention (whose f16 accumulation the block-LoRA graph does not reproduce)
+    pub capture_block: Option<usize>,
 }
 
 /// A llama.cpp context with one sequence and a reusable batch.
@@ -347,6 +365,8 @@ impl Context {
             enabled: p.capture_hidden,
             n_embd: model.n_embd(),
             rows: Vec::new(),
+            block: p.capture_block.map(|n| format!("l_out-{n}").into_bytes()),
+            block_rows: Vec::new(),
         });
         // SAFETY: default params are plain data; cb_eval_user_data points into a Box whose
         // address is stable and which lives as long as the context (dropped after it).
@@ -360,7 +380,10 @@ impl Context {
             cp.n_threads_batch = p.n_threads;
             cp.embeddings = false;
             cp.no_perf = true;
-            if p.capture_hidden {
+            if p.capture_block.is_some() {
+                cp.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED;
+            }
+            if p.capture_hidden || p.capture_block.is_some() {
                 cp.cb_eval = Some(eval_callback);
                 cp.cb_eval_user_data = capture.as_mut() as *mut Capture as *mut c_void;
             }
@@ -431,6 +454,7 @@ impl Context {
             }
         }
         self.capture.rows.clear();
+        self.capture.block_rows.clear();
         // SAFETY: ctx and batch are live and consistent.
         let rc = unsafe { sys::llama_decode(self.ptr.as_ptr(), self.batch) };
         if rc != 0 {
@@ -444,7 +468,22 @@ impl Context {
                 rows.len()
             )));
         }
+        if self.capture.block.is_some()
+            && self.capture.block_rows.len() != tokens.len() * self.capture.n_embd
+        {
+            return Err(Error::Llama(format!(
+                "captured {} block activations for {} tokens (no such block output?)",
+                self.capture.block_rows.len(),
+                tokens.len()
+            )));
+        }
         Ok(rows)
+    }
+
+    /// The block activations (`l_out-N`, `n_embd` per row, every row) of the last decode, when
+    /// the context captures them; taken, so a second call returns nothing.
+    pub fn take_block_rows(&mut self) -> Vec<f32> {
+        std::mem::take(&mut self.capture.block_rows)
     }
 
     /// The logits of batch row `i` of the last decode; that row must have requested output.

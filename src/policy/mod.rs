@@ -7,6 +7,7 @@
 //! - [`gguf`]: a small GGUF reader for validation and for the output weight;
 //! - [`llama`]: the thin unsafe layer over llama.cpp's C API.
 
+pub mod blocks;
 pub mod conversation;
 pub mod engine;
 pub mod gguf;

@@ -1,0 +1,300 @@
+//! Block LoRA from captured activations: capturing a session's block input with llama.cpp,
+//! measuring how closely the ONNX graph reproduces llama.cpp's logits, and supervised
+//! (teacher-forced cross-entropy) training of a [`BlockLora`].
+
+use ndarray::{Array2, Axis};
+
+use crate::adapter::block::BlockLora;
+use crate::error::{Error, Result};
+use crate::graph::block::{BlockRows, OrtBlock};
+use crate::graph::step::ObjectiveInputs;
+use crate::learn::update::AdamW;
+use crate::policy::llama::{Context, Token};
+
+/// One session as llama.cpp processed it: its tokens, the block input of every position, and
+/// llama.cpp's own logits at the positions that produced a token.
+#[derive(Debug, Clone)]
+pub struct Captured {
+    /// every token of the session (prompt and reply)
+    pub tokens: Vec<Token>,
+    /// `[N, n_embd]`: the input of the first adapted block at each position
+    pub x: Array2<f32>,
+    /// positions whose logits produced the next token
+    pub scored: Vec<usize>,
+    /// llama.cpp's logits at `scored`, `[S, n_vocab]` (empty when not kept)
+    pub logits: Array2<f32>,
+}
+
+impl Captured {
+    /// The tokens the scored positions produced.
+    pub fn targets(&self) -> Vec<usize> {
+        self.scored
+            .iter()
+            .map(|&p| self.tokens[p + 1] as usize)
+            .collect()
+    }
+
+    /// Bytes per position of the stored activations at f16.
+    pub fn bytes_per_token_f16(&self) -> usize {
+        self.x.ncols() * 2
+    }
+}
+
+fn rows_of(ctx: &mut Context, n: usize, width: usize) -> Result<Array2<f32>> {
+    let v = ctx.take_block_rows();
+    Array2::from_shape_vec((n, width), v).map_err(|e| Error::Llama(e.to_string()))
+}
+
+/// Decodes `prompt` in one batch, then generates `n_new` tokens greedily one at a time, the way
+/// the engine samples, capturing block inputs and keeping llama.cpp's logits of every step.
+/// The context must capture a block (`ContextParams::capture_block`); its KV cache is cleared.
+///
+/// # Errors
+/// [`Error::Llama`] on decode failures or a context without block capture.
+pub fn generate_captured(
+    ctx: &mut Context,
+    prompt: &[Token],
+    n_new: usize,
+    n_embd: usize,
+    stop: impl Fn(Token) -> bool,
+) -> Result<Captured> {
+    ctx.truncate(0);
+    let mut outs = vec![false; prompt.len()];
+    if let Some(l) = outs.last_mut() {
+        *l = true;
+    }
+    ctx.decode(prompt, 0, &outs)?;
+    let mut xs = vec![rows_of(ctx, prompt.len(), n_embd)?];
+    let mut tokens = prompt.to_vec();
+    let mut logits = vec![ctx.logits(prompt.len() - 1).to_vec()];
+    let mut scored = vec![prompt.len() - 1];
+    for _ in 0..n_new {
+        let last = logits.last().map(Vec::as_slice).unwrap_or(&[]);
+        let next = last
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i as Token)
+            .unwrap_or(0);
+        tokens.push(next);
+        if stop(next) {
+            break;
+        }
+        let pos = tokens.len() - 1;
+        ctx.decode(&[next], pos, &[true])?;
+        xs.push(rows_of(ctx, 1, n_embd)?);
+        logits.push(ctx.logits(0).to_vec());
+        scored.push(pos);
+    }
+    // the last scored position's token was appended; drop a trailing unscored position
+    let views: Vec<_> = xs.iter().map(|a| a.view()).collect();
+    let x = ndarray::concatenate(Axis(0), &views).map_err(|e| Error::Llama(e.to_string()))?;
+    let n = x.nrows();
+    tokens.truncate(n + 1);
+    scored.retain(|&p| p < n && p + 1 < tokens.len());
+    logits.truncate(scored.len());
+    let v = logits.first().map(Vec::len).unwrap_or(0);
+    let flat: Vec<f32> = logits.into_iter().flatten().collect();
+    let logits =
+        Array2::from_shape_vec((scored.len(), v), flat).map_err(|e| Error::Llama(e.to_string()))?;
+    Ok(Captured {
+        tokens,
+        x,
+        scored,
+        logits,
+    })
+}
+
+/// Captures the block inputs of a whole known sequence (prompt + reply) in prefill batches,
+/// scoring the positions from `prompt_len − 1` on (each predicts the next reply token).
+///
+/// # Errors
+/// [`Error::Llama`] on decode failures; [`Error::Invalid`] when there is no reply token.
+pub fn teacher_forced(
+    ctx: &mut Context,
+    tokens: &[Token],
+    prompt_len: usize,
+    n_embd: usize,
+) -> Result<Captured> {
+    if prompt_len == 0 || prompt_len >= tokens.len() {
+        return Err(Error::Invalid(format!(
+            "a prompt of {prompt_len} tokens in a sequence of {}",
+            tokens.len()
+        )));
+    }
+    ctx.truncate(0);
+    let nb = ctx.n_batch();
+    let n = tokens.len() - 1; // the last token is only a target
+    let mut xs = Vec::new();
+    let mut start = 0;
+    while start < n {
+        let end = (start + nb).min(n);
+        ctx.decode(&tokens[start..end], start, &vec![false; end - start])?;
+        xs.push(rows_of(ctx, end - start, n_embd)?);
+        start = end;
+    }
+    let views: Vec<_> = xs.iter().map(|a| a.view()).collect();
+    let x = ndarray::concatenate(Axis(0), &views).map_err(|e| Error::Llama(e.to_string()))?;
+    Ok(Captured {
+        tokens: tokens.to_vec(),
+        x,
+        scored: (prompt_len - 1..n).collect(),
+        logits: Array2::zeros((0, 0)),
+    })
+}
+
+/// How closely the graph reproduces llama.cpp's logits.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Parity {
+    /// scored tokens compared
+    pub tokens: usize,
+    /// largest |logit gap| over every vocabulary entry of every token
+    pub max_logit_gap: f32,
+    /// mean |logit gap|
+    pub mean_logit_gap: f64,
+    /// mean |log p_graph − log p_llama.cpp| of the token that was chosen
+    pub mean_logp_gap: f64,
+    /// largest such gap
+    pub max_logp_gap: f64,
+}
+
+fn log_softmax_at(row: ndarray::ArrayView1<'_, f32>, i: usize) -> f64 {
+    let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let s: f64 = row.iter().map(|&z| (z as f64 - m).exp()).sum();
+    row[i] as f64 - m - s.ln()
+}
+
+/// Scores each captured session with the graph (built as logits) and `lora`, comparing with
+/// llama.cpp's logits.
+///
+/// # Errors
+/// [`Error::Invalid`] when a session kept no logits; graph errors.
+pub fn parity(graph: &mut OrtBlock, sessions: &[Captured], lora: &BlockLora) -> Result<Parity> {
+    let mut p = Parity::default();
+    let (mut sum_gap, mut n_gap, mut sum_lp) = (0f64, 0usize, 0f64);
+    for c in sessions {
+        if c.logits.nrows() != c.scored.len() {
+            return Err(Error::Invalid("captured session kept no logits".into()));
+        }
+        let n = c.x.nrows();
+        let rows = BlockRows {
+            x: c.x.view(),
+            pos: (0..n).collect(),
+            seg: vec![0; n],
+            scored: c.scored.clone(),
+        };
+        let z = graph.logits(&rows, &lora.factors)?;
+        for (i, t) in c.targets().into_iter().enumerate() {
+            let (zg, zl) = (z.row(i), c.logits.row(i));
+            for (a, b) in zg.iter().zip(zl.iter()) {
+                let d = (a - b).abs();
+                p.max_logit_gap = p.max_logit_gap.max(d);
+                sum_gap += d as f64;
+            }
+            n_gap += zg.len();
+            let d = (log_softmax_at(zg, t) - log_softmax_at(zl, t)).abs();
+            sum_lp += d;
+            p.max_logp_gap = p.max_logp_gap.max(d);
+            p.tokens += 1;
+        }
+    }
+    p.mean_logit_gap = sum_gap / n_gap.max(1) as f64;
+    p.mean_logp_gap = sum_lp / p.tokens.max(1) as f64;
+    Ok(p)
+}
+
+/// Supervised training settings.
+#[derive(Debug, Clone, Copy)]
+pub struct SftConfig {
+    /// optimizer steps
+    pub steps: usize,
+    /// sessions per step
+    pub batch: usize,
+    /// AdamW learning rate
+    pub lr: f64,
+    /// shuffling seed
+    pub seed: u64,
+}
+
+/// Teacher-forced cross-entropy on captured sessions (`graph` built as a cross-entropy step):
+/// each step concatenates `batch` sessions, weights every reply token by 1 / (tokens in the
+/// batch), and applies AdamW. Returns the loss of every step.
+///
+/// # Errors
+/// Graph errors; [`Error::Invalid`] when a loss is not finite (the adapter is left as it was
+/// before that step).
+pub fn train_sft(
+    graph: &mut OrtBlock,
+    data: &[Captured],
+    lora: &mut BlockLora,
+    cfg: SftConfig,
+    mut progress: impl FnMut(usize, f32),
+) -> Result<Vec<f32>> {
+    if data.is_empty() {
+        return Err(Error::Invalid("no training sessions".into()));
+    }
+    let shapes: Vec<(usize, usize)> = lora
+        .factors
+        .a
+        .iter()
+        .chain(&lora.factors.b)
+        .map(|m| m.dim())
+        .collect();
+    let mut opt = AdamW::new(&shapes);
+    let mut rng = crate::policy::sampler::Rng::new(cfg.seed);
+    let mut order: Vec<usize> = (0..data.len()).collect();
+    let mut cursor = order.len();
+    let mut losses = Vec::with_capacity(cfg.steps);
+    for step in 0..cfg.steps {
+        let mut pick = Vec::with_capacity(cfg.batch);
+        while pick.len() < cfg.batch.min(data.len()) {
+            if cursor == order.len() {
+                for i in (1..order.len()).rev() {
+                    let j = (rng.next_f64() * (i + 1) as f64) as usize;
+                    order.swap(i, j.min(i));
+                }
+                cursor = 0;
+            }
+            pick.push(order[cursor]);
+            cursor += 1;
+        }
+        let views: Vec<_> = pick.iter().map(|&i| data[i].x.view()).collect();
+        let x = ndarray::concatenate(Axis(0), &views).map_err(|e| Error::Invalid(e.to_string()))?;
+        let (mut pos, mut seg, mut scored, mut targets) = (vec![], vec![], vec![], vec![]);
+        let mut off = 0;
+        for (s, &i) in pick.iter().enumerate() {
+            let c = &data[i];
+            let n = c.x.nrows();
+            pos.extend(0..n);
+            seg.extend(std::iter::repeat_n(s, n));
+            scored.extend(c.scored.iter().map(|&p| p + off));
+            targets.extend(c.targets());
+            off += n;
+        }
+        let w = vec![1.0 / targets.len().max(1) as f32; targets.len()];
+        let obj = ObjectiveInputs::cross_entropy(&targets, w);
+        let rows = BlockRows {
+            x: x.view(),
+            pos,
+            seg,
+            scored,
+        };
+        let (loss, _, grads) = graph.step(&rows, &lora.factors, &obj)?;
+        if !loss.is_finite() {
+            return Err(Error::Invalid(format!(
+                "cross-entropy is {loss} at step {step}; the adapter keeps its previous values"
+            )));
+        }
+        let gs: Vec<Array2<f32>> = grads.a.into_iter().chain(grads.b).collect();
+        let mut params: Vec<&mut Array2<f32>> = lora
+            .factors
+            .a
+            .iter_mut()
+            .chain(lora.factors.b.iter_mut())
+            .collect();
+        opt.step(&mut params, &gs, [cfg.lr, 0.0, 1e-8]);
+        losses.push(loss);
+        progress(step, loss);
+    }
+    Ok(losses)
+}
