@@ -108,15 +108,19 @@ impl Builder<'_> {
     fn rms_norm(&mut self, x: V, w: &[f32], name: &str) -> V {
         let g = &mut self.g;
         let d = w.len();
+        let wv = g.constant(name, &[d], w);
+        let eps = f64::from(self.tail.hp.rms_eps);
+        if self.emulate {
+            return g.rms_norm_ggml(x, wv, d, eps);
+        }
         let sq = g.mul(x, x);
         let s = g.reduce_sum_last(sq);
         let inv_d = g.scalar(1.0 / d as f64);
         let m = g.mul(s, inv_d);
-        let eps = g.scalar(f64::from(self.tail.hp.rms_eps));
+        let eps = g.scalar(eps);
         let m = g.add(m, eps);
         let r = g.sqrt(m);
         let y = g.div_bc(x, r, &[-1]);
-        let wv = g.constant(name, &[d], w);
         g.mul(y, wv)
     }
 
@@ -126,17 +130,32 @@ impl Builder<'_> {
         let block = &tail.blocks[bi];
         let p = block.proj(target);
         let (_, din) = tail.hp.shape(target);
-        let wt = p.w.t().as_standard_layout().to_owned();
         let wname = format!("w.{}.{target}", block.index);
-        let wv = self
-            .g
-            .constant(&wname, &[wt.nrows(), wt.ncols()], wt.as_slice().unwrap_or(&[]));
-        let xin = if self.emulate {
-            round_activation(&mut self.g, x, din, p.ggml_type)
-        } else {
-            x
+        let konst = |g: &mut Graph, name: &str, m: &Array2<f32>| {
+            let t = m.t().as_standard_layout().to_owned();
+            g.constant(name, &[t.nrows(), t.ncols()], t.as_slice().unwrap_or(&[]))
         };
-        let y = self.g.matmul(xin, wv);
+        let y = match (&p.split, self.emulate) {
+            (Some((scaled, mins)), true) => {
+                // ggml's Q4_1 × Q8_1 dot: Σ d_w·d_x·Σ q_w q_x + Σ m_w · s_x
+                let (xq, sums) = self.g.round_q8_sums(x, din as i64);
+                let wd = konst(&mut self.g, &wname, scaled);
+                let wm = konst(&mut self.g, &format!("{wname}.min"), mins);
+                let g = &mut self.g;
+                let main = g.matmul(xq, wd);
+                let lo = g.matmul(sums, wm);
+                g.add(main, lo)
+            }
+            _ => {
+                let wv = konst(&mut self.g, &wname, &p.w);
+                let xin = if self.emulate {
+                    round_activation(&mut self.g, x, din, p.ggml_type)
+                } else {
+                    x
+                };
+                self.g.matmul(xin, wv)
+            }
+        };
         match self.spec.targets.iter().position(|t| t == target) {
             Some(ti) => {
                 let (a, b) = self.lora[bi * self.spec.targets.len() + ti];
@@ -269,6 +288,9 @@ pub fn build(tail: &TailModel, spec: &BlockSpec, kind: BlockGraphKind, emulate: 
     }
     let hs = bld.g.matmul(sel, h);
     let hs = bld.rms_norm(hs, &tail.output_norm, "output_norm");
+    if kind == BlockGraphKind::Logits {
+        bld.g.output(hs, "hidden");
+    }
     let hs = if emulate {
         round_activation(&mut bld.g, hs, hp.n_embd, tail.output.ggml_type)
     } else {
@@ -430,6 +452,19 @@ impl OrtBlock {
     /// # Errors
     /// [`Error::Invalid`] on inconsistent rows or a step graph; [`Error::Ort`].
     pub fn logits(&mut self, rows: &BlockRows<'_>, lora: &BlockFactors) -> Result<Array2<f32>> {
+        Ok(self.forward(rows, lora)?.0)
+    }
+
+    /// Logits `[S, n_vocab]` and the final normalised hidden state `[S, n_embd]` at the scored
+    /// rows (what llama.cpp calls `result_norm`).
+    ///
+    /// # Errors
+    /// As [`OrtBlock::logits`].
+    pub fn forward(
+        &mut self,
+        rows: &BlockRows<'_>,
+        lora: &BlockFactors,
+    ) -> Result<(Array2<f32>, Array2<f32>)> {
         if self.kind != BlockGraphKind::Logits {
             return Err(Error::Invalid("this block graph is a training step".into()));
         }
@@ -438,12 +473,15 @@ impl OrtBlock {
             .session
             .run(feed)
             .map_err(|err| Error::Ort(format!("block forward: {err}")))?;
-        out["logits"]
-            .try_extract_array::<f32>()
-            .map_err(|err| Error::Ort(err.to_string()))?
-            .to_owned()
-            .into_dimensionality::<ndarray::Ix2>()
-            .map_err(|err| Error::Ort(err.to_string()))
+        let get = |name: &str| {
+            out[name]
+                .try_extract_array::<f32>()
+                .map_err(|err| Error::Ort(err.to_string()))?
+                .to_owned()
+                .into_dimensionality::<ndarray::Ix2>()
+                .map_err(|err| Error::Ort(err.to_string()))
+        };
+        Ok((get("logits")?, get("hidden")?))
     }
 
     /// One training step: loss, log-probs of `obj.tokens` at the scored rows and the gradients.

@@ -407,8 +407,16 @@ impl Graph {
     /// `q = round_half_even(x · 127 / amax)` (0 when `amax = 0`), value `q · f16(amax / 127)`.
     /// Straight-through gradient.
     pub fn round_q8(&mut self, x: V, width: i64) -> V {
+        self.round_q8_sums(x, width).0
+    }
+
+    /// [`Graph::round_q8`] and, per block, Q8_1's stored sum `s = f16(amax/127 · Σ q)`
+    /// (`[N, width/32]`), which ggml multiplies with the block minimum of Q4_1 / Q5_1 weights.
+    /// The sums' gradient is that of the plain block sums of `x`.
+    pub fn round_q8_sums(&mut self, x: V, width: i64) -> (V, V) {
         assert!(width % 32 == 0, "Q8 rows of {width} are not blocks of 32");
-        let shape = self.i64_const(&[-1, width / 32, 32]);
+        let nb = width / 32;
+        let shape = self.i64_const(&[-1, nb, 32]);
         let xb = self.node("Reshape", &[self.name(x), shape], 3, vec![]);
         let ab = self.raw("Abs", &[xb], 3, vec![]);
         // opset 17: ReduceMax takes its axes as an attribute
@@ -420,8 +428,7 @@ impl Graph {
         );
         let c127 = self.scalar(127.0);
         let d = self.raw("Div", &[amax, c127], 3, vec![]);
-        let dh = self.raw("Cast", &[d], 3, vec![attr_int("to", 10)]);
-        let d16 = self.raw("Cast", &[dh], 3, vec![attr_int("to", i64::from(self.elem.code()))]);
+        let d16 = self.f16_trip(d, 3);
         let zero = self.scalar(0.0);
         let is0 = self.raw("Equal", &[amax, zero], 3, vec![]);
         let one = self.scalar(1.0);
@@ -434,8 +441,78 @@ impl Graph {
         let back = self.i64_const(&[-1, width]);
         let vn = self.name(v);
         let out = self.node("Reshape", &[vn, back], 2, vec![]);
-        self.record(Op::StraightThrough, &[x], out)
+        let xq = self.record(Op::StraightThrough, &[x], out);
+        // s = f16(d · Σq) per block
+        let axes = self.i64_const(&[-1]);
+        let qn = self.name(q);
+        let sq = self.node("ReduceSum", &[qn, axes], 3, vec![attr_int("keepdims", 1)]);
+        let sd = self.raw("Mul", &[sq, d], 3, vec![]);
+        let s16 = self.f16_trip(sd, 3);
+        let flat = self.i64_const(&[-1, nb]);
+        let sn = self.name(s16);
+        let s_val = self.node("Reshape", &[sn, flat], 2, vec![]);
+        // the differentiable block sums the rounded sums stand in for
+        let xb_t = self.reshape(x, &[-1, nb, 32]);
+        let bs = self.reduce_sum_last(xb_t);
+        let bs = self.reshape(bs, &[-1, nb]);
+        let s = self.record(Op::StraightThrough, &[bs], s_val);
+        (xq, s)
     }
+
+    /// ggml's CPU RMSNorm of the rows of `x` (`[N, D]`) times `w` (`[D]`, constant), computed
+    /// as ggml does (squares summed in f64, `scale = 1/√(mean + eps)` in f32, `x · scale · w`),
+    /// with the gradient of the plain f32 formula.
+    pub fn rms_norm_ggml(&mut self, x: V, w: V, d: usize, eps: f64) -> V {
+        // differentiable path
+        let sq = self.mul(x, x);
+        let s = self.reduce_sum_last(sq);
+        let inv_d = self.scalar(1.0 / d as f64);
+        let m = self.mul(s, inv_d);
+        let e = self.scalar(eps);
+        let m = self.add(m, e);
+        let r = self.sqrt(m);
+        let y = self.div_bc(x, r, &[-1]);
+        let y = self.mul(y, w);
+        // ggml's arithmetic
+        let sqr = self.raw("Mul", &[x, x], 2, vec![]);
+        let sq64 = self.raw("Cast", &[sqr], 2, vec![attr_int("to", 11)]);
+        let axes = self.i64_const(&[-1]);
+        let sqn = self.name(sq64);
+        let sum = self.node("ReduceSum", &[sqn, axes], 2, vec![attr_int("keepdims", 1)]);
+        let dd = self.value(0, false);
+        let ddn = format!("c{}", dd.0);
+        self.values[dd.0].name = ddn.clone();
+        self.initializers.push(TensorProto {
+            dims: vec![],
+            data_type: 11,
+            name: ddn,
+            raw_data: (d as f64).to_le_bytes().to_vec(),
+        });
+        let mean = self.raw("Div", &[sum, dd], 2, vec![]);
+        let mean = self.raw(
+            "Cast",
+            &[mean],
+            2,
+            vec![attr_int("to", i64::from(self.elem.code()))],
+        );
+        let mean = self.raw("Add", &[mean, e], 2, vec![]);
+        let root = self.raw("Sqrt", &[mean], 2, vec![]);
+        let scale = self.raw("Reciprocal", &[root], 2, vec![]);
+        let yv = self.raw("Mul", &[x, scale], 2, vec![]);
+        let yv = self.raw("Mul", &[yv, w], 2, vec![]);
+        self.record(Op::StraightThrough, &[y], yv)
+    }
+
+    fn f16_trip(&mut self, x: V, rank: usize) -> V {
+        let h = self.raw("Cast", &[x], rank, vec![attr_int("to", 10)]);
+        self.raw(
+            "Cast",
+            &[h],
+            rank,
+            vec![attr_int("to", i64::from(self.elem.code()))],
+        )
+    }
+
     /// Matrix transpose.
     pub fn transpose(&mut self, a: V) -> V {
         self.unary(Op::Transpose, "Transpose", a, vec![])

@@ -23,6 +23,9 @@ pub struct Captured {
     pub scored: Vec<usize>,
     /// llama.cpp's logits at `scored`, `[S, n_vocab]` (empty when not kept)
     pub logits: Array2<f32>,
+    /// llama.cpp's final normalised hidden state at `scored` when the context captures it
+    /// (`n_embd` per scored row; empty otherwise)
+    pub hidden: Vec<f32>,
 }
 
 impl Captured {
@@ -63,7 +66,7 @@ pub fn generate_captured(
     if let Some(l) = outs.last_mut() {
         *l = true;
     }
-    ctx.decode(prompt, 0, &outs)?;
+    let mut hidden = ctx.decode(prompt, 0, &outs)?;
     let mut xs = vec![rows_of(ctx, prompt.len(), n_embd)?];
     let mut tokens = prompt.to_vec();
     let mut logits = vec![ctx.logits(prompt.len() - 1).to_vec()];
@@ -81,7 +84,7 @@ pub fn generate_captured(
             break;
         }
         let pos = tokens.len() - 1;
-        ctx.decode(&[next], pos, &[true])?;
+        hidden.extend(ctx.decode(&[next], pos, &[true])?);
         xs.push(rows_of(ctx, 1, n_embd)?);
         logits.push(ctx.logits(0).to_vec());
         scored.push(pos);
@@ -97,11 +100,13 @@ pub fn generate_captured(
     let flat: Vec<f32> = logits.into_iter().flatten().collect();
     let logits =
         Array2::from_shape_vec((scored.len(), v), flat).map_err(|e| Error::Llama(e.to_string()))?;
+    hidden.truncate(scored.len() * n_embd);
     Ok(Captured {
         tokens,
         x,
         scored,
         logits,
+        hidden,
     })
 }
 
@@ -140,6 +145,7 @@ pub fn teacher_forced(
         x,
         scored: (prompt_len - 1..n).collect(),
         logits: Array2::zeros((0, 0)),
+        hidden: Vec::new(),
     })
 }
 
@@ -297,4 +303,33 @@ pub fn train_sft(
         progress(step, loss);
     }
     Ok(losses)
+}
+
+/// Re-runs llama.cpp over a captured session with the same batching as
+/// [`generate_captured`] (prompt in one batch, then one token per decode) and returns its
+/// logits at the scored positions: how the session's tokens score under whatever adapter the
+/// context holds now. The KV cache is cleared first.
+///
+/// # Errors
+/// [`Error::Llama`] on decode failures; [`Error::Invalid`] for a session without scored rows.
+pub fn replay_logits(ctx: &mut Context, c: &Captured) -> Result<Array2<f32>> {
+    let first = *c
+        .scored
+        .first()
+        .ok_or_else(|| Error::Invalid("session has no scored positions".into()))?;
+    ctx.truncate(0);
+    let prompt = &c.tokens[..=first];
+    let mut outs = vec![false; prompt.len()];
+    outs[first] = true;
+    ctx.decode(prompt, 0, &outs)?;
+    ctx.take_block_rows();
+    let mut rows = vec![ctx.logits(first).to_vec()];
+    for &p in &c.scored[1..] {
+        ctx.decode(&[c.tokens[p]], p, &[true])?;
+        ctx.take_block_rows();
+        rows.push(ctx.logits(0).to_vec());
+    }
+    let v = rows[0].len();
+    Array2::from_shape_vec((rows.len(), v), rows.into_iter().flatten().collect())
+        .map_err(|e| Error::Llama(e.to_string()))
 }

@@ -140,6 +140,35 @@ pub struct Proj {
     pub w: Array2<f32>,
     /// ggml type of the stored weight (decides how llama.cpp rounds the activation)
     pub ggml_type: u32,
+    /// for Q4_1 weights (`d·q + m` per block of 32): the scaled part `d·q` `[out, in]` and the
+    /// block minima `m` `[out, in/32]`, which ggml's dot product multiplies with the
+    /// activation's stored block sums rather than with the rounded activations
+    pub split: Option<(Array2<f32>, Array2<f32>)>,
+}
+
+/// Splits a Q4_1 matrix (`rows` rows of `cols`) into `d·q` and the block minima.
+fn split_q4_1(raw: &[u8], rows: usize, cols: usize) -> Option<(Array2<f32>, Array2<f32>)> {
+    const BLOCK: usize = 20; // f16 d, f16 m, 16 bytes of nibbles
+    let nb = cols / 32;
+    if cols % 32 != 0 || raw.len() < rows * nb * BLOCK {
+        return None;
+    }
+    let mut scaled = Array2::zeros((rows, cols));
+    let mut mins = Array2::zeros((rows, nb));
+    for r in 0..rows {
+        for b in 0..nb {
+            let blk = &raw[(r * nb + b) * BLOCK..][..BLOCK];
+            let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+            let m = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+            mins[[r, b]] = m;
+            for j in 0..16 {
+                let q = blk[4 + j];
+                scaled[[r, b * 32 + j]] = f32::from(q & 0x0f) * d;
+                scaled[[r, b * 32 + j + 16]] = f32::from(q >> 4) * d;
+            }
+        }
+    }
+    Some((scaled, mins))
 }
 
 /// One transformer block.
@@ -177,6 +206,10 @@ pub struct TailModel {
 }
 
 fn read_matrix(idx: &GgufIndex, t: &TensorInfo) -> Result<Array2<f32>> {
+    Ok(read_proj(idx, t)?.w)
+}
+
+fn read_proj(idx: &GgufIndex, t: &TensorInfo) -> Result<Proj> {
     let bad = |reason: String| Error::BadModel {
         path: idx.path.clone(),
         reason,
@@ -192,7 +225,16 @@ fn read_matrix(idx: &GgufIndex, t: &TensorInfo) -> Result<Array2<f32>> {
     for row in raw.chunks_exact(row_bytes) {
         w.extend(llama::dequantize(t.ggml_type, row, cols)?);
     }
-    Array2::from_shape_vec((rows, cols), w).map_err(|e| bad(e.to_string()))
+    let split = if t.ggml_type == llama_cpp_sys_2::GGML_TYPE_Q4_1 {
+        split_q4_1(&raw, rows, cols)
+    } else {
+        None
+    };
+    Ok(Proj {
+        w: Array2::from_shape_vec((rows, cols), w).map_err(|e| bad(e.to_string()))?,
+        ggml_type: t.ggml_type,
+        split,
+    })
 }
 
 impl TailModel {
@@ -223,17 +265,19 @@ impl TailModel {
             let mut proj = Vec::with_capacity(TARGETS.len());
             for (target, stem) in TARGETS {
                 let t = tensor(&format!("blk.{index}.{stem}.weight"))?;
-                let w = read_matrix(&idx, t)?;
-                if w.dim() != hp.shape(target) {
+                let p = read_proj(&idx, t)?;
+                if p.w.dim() != hp.shape(target) {
                     return Err(Error::BadModel {
                         path: path.into(),
-                        reason: format!("{} is {:?}, expected {:?}", t.name, w.dim(), hp.shape(target)),
+                        reason: format!(
+                            "{} is {:?}, expected {:?}",
+                            t.name,
+                            p.w.dim(),
+                            hp.shape(target)
+                        ),
                     });
                 }
-                proj.push(Proj {
-                    w,
-                    ggml_type: t.ggml_type,
-                });
+                proj.push(p);
             }
             blocks.push(Block {
                 index,
@@ -242,11 +286,7 @@ impl TailModel {
                 proj,
             });
         }
-        let out = idx.output_tensor()?;
-        let output = Proj {
-            w: read_matrix(&idx, out)?,
-            ggml_type: out.ggml_type,
-        };
+        let output = read_proj(&idx, idx.output_tensor()?)?;
         Ok(TailModel {
             output_norm: vector("output_norm.weight")?,
             hp,

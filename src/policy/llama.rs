@@ -271,6 +271,43 @@ impl Drop for Model {
     }
 }
 
+/// A GGUF LoRA adapter loaded by llama.cpp for a model (freed on drop; the model must outlive
+/// it).
+pub struct LoraAdapter {
+    ptr: NonNull<sys::llama_adapter_lora>,
+}
+
+// SAFETY: used only from the thread that owns the model and contexts.
+unsafe impl Send for LoraAdapter {}
+
+impl LoraAdapter {
+    /// Loads a GGUF LoRA for `model` with llama.cpp's own loader.
+    ///
+    /// # Errors
+    /// [`Error::BadModel`] when llama.cpp refuses the file (wrong architecture, shapes, type).
+    pub fn load(model: &Model, path: &Path) -> Result<Self> {
+        let bad = |reason: &str| Error::BadModel {
+            path: path.into(),
+            reason: reason.into(),
+        };
+        let cpath = CString::new(path.to_string_lossy().as_bytes())
+            .map_err(|_| bad("path contains a NUL byte"))?;
+        // SAFETY: model is live; the path is a valid C string for the call.
+        let ptr = unsafe { sys::llama_adapter_lora_init(model.ptr.as_ptr(), cpath.as_ptr()) };
+        NonNull::new(ptr)
+            .map(|ptr| LoraAdapter { ptr })
+            .ok_or_else(|| bad("llama.cpp could not load this LoRA for the model"))
+    }
+}
+
+impl Drop for LoraAdapter {
+    fn drop(&mut self) {
+        // SAFETY: allocated by llama_adapter_lora_init and freed once; contexts that used it
+        // have had it removed (`Context::set_lora(None)`) or are dropped first by the owner.
+        unsafe { sys::llama_adapter_lora_free(self.ptr.as_ptr()) };
+    }
+}
+
 /// Hidden states captured by the evaluation callback during one `decode`.
 struct Capture {
     enabled: bool,
@@ -484,6 +521,30 @@ impl Context {
     /// the context captures them; taken, so a second call returns nothing.
     pub fn take_block_rows(&mut self) -> Vec<f32> {
         std::mem::take(&mut self.capture.block_rows)
+    }
+
+    /// Makes `lora` (scale 1) the context's only adapter, or removes every adapter with `None`.
+    /// The KV cache is not touched: the caller drops positions computed under another adapter.
+    ///
+    /// # Errors
+    /// [`Error::Llama`] when llama.cpp refuses.
+    pub fn set_lora(&mut self, lora: Option<&LoraAdapter>) -> Result<()> {
+        let mut ptrs: Vec<*mut sys::llama_adapter_lora> =
+            lora.iter().map(|l| l.ptr.as_ptr()).collect();
+        let mut scales: Vec<f32> = vec![1.0; ptrs.len()];
+        // SAFETY: ctx is live; the arrays hold ptrs.len() valid entries for the call.
+        let rc = unsafe {
+            sys::llama_set_adapters_lora(
+                self.ptr.as_ptr(),
+                ptrs.as_mut_ptr(),
+                ptrs.len(),
+                scales.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return Err(Error::Llama(format!("llama_set_adapters_lora returned {rc}")));
+        }
+        Ok(())
     }
 
     /// The logits of batch row `i` of the last decode; that row must have requested output.
