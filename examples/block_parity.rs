@@ -42,11 +42,16 @@ fn main() -> anyhow::Result<()> {
     for m in msgs {
         let text = Model::apply_template(
             "chatml",
-            &[("system", "You are a helpful customer-service assistant."), ("user", m)],
+            &[
+                ("system", "You are a helpful customer-service assistant."),
+                ("user", m),
+            ],
             true,
         )?;
         let prompt = model.tokenize(&text, model.add_bos(), true)?;
-        let c = generate_captured(&mut ctx, &prompt, n_new, model.n_embd(), |t| model.is_eog(t))?;
+        let c = generate_captured(&mut ctx, &prompt, n_new, model.n_embd(), |t| {
+            model.is_eog(t)
+        })?;
         caps.push(c);
     }
     let spec = BlockSpec {

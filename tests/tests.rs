@@ -3,6 +3,7 @@
 
 mod common;
 
+mod block;
 mod cli;
 mod demo;
 mod learn;

@@ -69,17 +69,15 @@ impl BlockLora {
 
     fn pairs(&self) -> impl Iterator<Item = (usize, &str, &Array2<f32>, &Array2<f32>)> + '_ {
         let nt = self.spec.targets.len();
-        self.layers.iter().enumerate().flat_map(move |(li, &layer)| {
-            self.spec.targets.iter().enumerate().map(move |(ti, t)| {
-                let n = li * nt + ti;
-                (
-                    layer,
-                    t.as_str(),
-                    &self.factors.a[n],
-                    &self.factors.b[n],
-                )
+        self.layers
+            .iter()
+            .enumerate()
+            .flat_map(move |(li, &layer)| {
+                self.spec.targets.iter().enumerate().map(move |(ti, t)| {
+                    let n = li * nt + ti;
+                    (layer, t.as_str(), &self.factors.a[n], &self.factors.b[n])
+                })
             })
-        })
     }
 
     /// True when every value is finite.
@@ -161,7 +159,9 @@ impl BlockLora {
         let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for (layer, t, a, b) in self.pairs() {
             let module = hf_module(t).unwrap_or("self_attn.q_proj");
-            let name = |ab: &str| format!("base_model.model.model.layers.{layer}.{module}.lora_{ab}.weight");
+            let name = |ab: &str| {
+                format!("base_model.model.model.layers.{layer}.{module}.lora_{ab}.weight")
+            };
             let b_hf = match t {
                 "q" => permute_rows(b, hp.n_head, hp.head_dim, false),
                 "k" => permute_rows(b, hp.n_head_kv, hp.head_dim, false),
@@ -255,7 +255,8 @@ impl BlockLora {
             for t in &targets {
                 let module = hf_module(t).unwrap_or_default();
                 let get = |ab: &str| {
-                    let name = format!("base_model.model.model.layers.{layer}.{module}.lora_{ab}.weight");
+                    let name =
+                        format!("base_model.model.model.layers.{layer}.{module}.lora_{ab}.weight");
                     f32_tensor(&st, &name, &wpath)
                 };
                 let (sa, va) = get("A")?;

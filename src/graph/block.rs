@@ -297,9 +297,11 @@ pub fn build(tail: &TailModel, spec: &BlockSpec, kind: BlockGraphKind, emulate: 
         hs
     };
     let wt = tail.output.w.t().as_standard_layout().to_owned();
-    let wv = bld
-        .g
-        .constant("w.output", &[wt.nrows(), wt.ncols()], wt.as_slice().unwrap_or(&[]));
+    let wv = bld.g.constant(
+        "w.output",
+        &[wt.nrows(), wt.ncols()],
+        wt.as_slice().unwrap_or(&[]),
+    );
     let z = bld.g.matmul(hs, wv);
     let mut g = bld.g;
     match kind {
@@ -431,8 +433,7 @@ impl OrtBlock {
             for (j, t) in self.spec.targets.iter().enumerate() {
                 let n = i * self.spec.targets.len() + j;
                 let (dout, din) = hp.shape(t);
-                if lora.a[n].dim() != (self.spec.r, din) || lora.b[n].dim() != (dout, self.spec.r)
-                {
+                if lora.a[n].dim() != (self.spec.r, din) || lora.b[n].dim() != (dout, self.spec.r) {
                     return Err(Error::Invalid(format!(
                         "LoRA {}.{t}: shapes {:?} and {:?}",
                         block.index,
@@ -495,7 +496,9 @@ impl OrtBlock {
         obj: &ObjectiveInputs<'_>,
     ) -> Result<BlockStepOutput> {
         let BlockGraphKind::Step(sk) = self.kind else {
-            return Err(Error::Invalid("this block graph only computes logits".into()));
+            return Err(Error::Invalid(
+                "this block graph only computes logits".into(),
+            ));
         };
         if obj.tokens.len() != rows.scored.len() {
             return Err(Error::Invalid(format!(

@@ -294,12 +294,19 @@ impl Graph {
 
     /// A constant tensor of the graph's element type (frozen weights), stored in the model.
     pub fn constant(&mut self, name: &str, dims: &[usize], data: &[f32]) -> V {
-        assert_eq!(dims.iter().product::<usize>(), data.len(), "{name}: data does not fill its shape");
+        assert_eq!(
+            dims.iter().product::<usize>(),
+            data.len(),
+            "{name}: data does not fill its shape"
+        );
         let v = self.value(dims.len(), false);
         self.values[v.0].name = name.into();
         let raw_data = match self.elem {
             Elem::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Elem::F64 => data.iter().flat_map(|&x| f64::from(x).to_le_bytes()).collect(),
+            Elem::F64 => data
+                .iter()
+                .flat_map(|&x| f64::from(x).to_le_bytes())
+                .collect(),
         };
         self.initializers.push(TensorProto {
             dims: dims.iter().map(|&d| d as i64).collect(),
@@ -343,7 +350,8 @@ impl Graph {
 
     fn binary_bc(&mut self, op: Op, ty: &str, a: V, b: V, bcast: [Vec<i64>; 2]) -> V {
         let (ra, rb) = (self.rank(a), self.rank(b));
-        let lower_is_constant = (ra < rb && !self.needs_grad(a)) || (rb < ra && !self.needs_grad(b));
+        let lower_is_constant =
+            (ra < rb && !self.needs_grad(a)) || (rb < ra && !self.needs_grad(b));
         assert!(
             ra == rb || ra == 0 || rb == 0 || lower_is_constant,
             "{ty}: ranks {ra} and {rb} do not broadcast here"
@@ -399,7 +407,12 @@ impl Graph {
     pub fn round_f16(&mut self, x: V) -> V {
         let r = self.rank(x);
         let h = self.raw("Cast", &[x], r, vec![attr_int("to", 10)]);
-        let back = self.raw("Cast", &[h], r, vec![attr_int("to", i64::from(self.elem.code()))]);
+        let back = self.raw(
+            "Cast",
+            &[h],
+            r,
+            vec![attr_int("to", i64::from(self.elem.code()))],
+        );
         self.record(Op::StraightThrough, &[x], back)
     }
     /// `x` `[N, width]` rounded through 8-bit blocks of 32 the way ggml's CPU backend quantises
@@ -640,7 +653,12 @@ impl Graph {
         if !axes.is_empty() {
             let ax = self.i64_const(axes);
             let gn = self.name(g);
-            return self.node("ReduceSum", &[gn, ax], self.rank(x), vec![attr_int("keepdims", 1)]);
+            return self.node(
+                "ReduceSum",
+                &[gn, ax],
+                self.rank(x),
+                vec![attr_int("keepdims", 1)],
+            );
         }
         self.unbroadcast(g, x)
     }
@@ -1201,10 +1219,7 @@ mod tests {
         }
         assert_eq!(gx, w.iter().copied().collect::<Vec<_>>());
         let (y, gx) = run_f32(&x, &w, |g, v| g.round_f16(v));
-        let want: Vec<f32> = x
-            .iter()
-            .map(|&v| half::f16::from_f32(v).to_f32())
-            .collect();
+        let want: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
         assert_eq!(y, want);
         assert_eq!(gx, w.iter().copied().collect::<Vec<_>>());
     }

@@ -22,8 +22,8 @@
 
 pub mod advantages;
 pub mod annotate;
-pub mod block;
 mod batch;
+pub mod block;
 mod credit;
 pub mod diagnostics;
 pub mod gate;

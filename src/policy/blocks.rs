@@ -76,7 +76,9 @@ impl Hparams {
         let key = |k: &str| format!("{arch}.{k}");
         if let Some(t) = idx.meta.get(&key("rope.scaling.type")) {
             if t != "none" {
-                return Err(bad(format!("RoPE scaling `{t}` is not modelled by block LoRA")));
+                return Err(bad(format!(
+                    "RoPE scaling `{t}` is not modelled by block LoRA"
+                )));
             }
         }
         let n = |k: &str| idx.meta_f64(&key(k)).map(|v| v as usize);
@@ -150,7 +152,7 @@ pub struct Proj {
 fn split_q4_1(raw: &[u8], rows: usize, cols: usize) -> Option<(Array2<f32>, Array2<f32>)> {
     const BLOCK: usize = 20; // f16 d, f16 m, 16 bytes of nibbles
     let nb = cols / 32;
-    if cols % 32 != 0 || raw.len() < rows * nb * BLOCK {
+    if !cols.is_multiple_of(32) || raw.len() < rows * nb * BLOCK {
         return None;
     }
     let mut scaled = Array2::zeros((rows, cols));
@@ -258,7 +260,9 @@ impl TailModel {
             })
         };
         let vector = |name: &str| -> Result<Vec<f32>> {
-            Ok(read_matrix(&idx, tensor(name)?)?.into_raw_vec_and_offset().0)
+            Ok(read_matrix(&idx, tensor(name)?)?
+                .into_raw_vec_and_offset()
+                .0)
         };
         let mut blocks = Vec::with_capacity(k);
         for index in hp.n_layer - k..hp.n_layer {

@@ -542,7 +542,9 @@ impl Context {
             )
         };
         if rc != 0 {
-            return Err(Error::Llama(format!("llama_set_adapters_lora returned {rc}")));
+            return Err(Error::Llama(format!(
+                "llama_set_adapters_lora returned {rc}"
+            )));
         }
         Ok(())
     }
