@@ -77,7 +77,7 @@ fn main() -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("tw-block-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let zero_path = dir.join("zero.gguf");
-    std::fs::write(&zero_path, lora.to_gguf("llama"))?;
+    std::fs::write(&zero_path, lora.to_gguf())?;
     let zero = llama::LoraAdapter::load(&model, &zero_path)?;
     ctx.set_lora(Some(&zero))?;
     let mut same = true;
@@ -92,7 +92,7 @@ fn main() -> anyhow::Result<()> {
         b.mapv_inplace(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.05) as f32);
     }
     let rnd_path = dir.join("random.gguf");
-    std::fs::write(&rnd_path, rnd.to_gguf("llama"))?;
+    std::fs::write(&rnd_path, rnd.to_gguf())?;
     let ad = llama::LoraAdapter::load(&model, &rnd_path)?;
     ctx.set_lora(Some(&ad))?;
     let (mut change, mut miss, mut n) = (0f64, 0f64, 0usize);

@@ -8,7 +8,8 @@
 //! q,v (r = 8) of the last k blocks, trained from captured block inputs in ONNX Runtime, written
 //! as a GGUF LoRA and served by llama.cpp itself for the evaluation.
 //!
-//! `cargo run --release --example distractor -- [steps] [k,k,...] [lr]`
+//! `cargo run --release --example distractor -- [steps] [k,k,...] [lr] [targets] [r] [skip-output]`
+//! (defaults: 200 steps, k = 2,4, lr 2e-3, targets q,v, r = 8)
 
 use ndarray::{Array2, Axis};
 use turnwise::adapter::block::BlockLora;
@@ -149,6 +150,12 @@ fn main() -> anyhow::Result<()> {
         .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
         .unwrap_or(vec![2, 4]);
     let lr: f64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(2e-3);
+    let targets: Vec<String> = args
+        .get(4)
+        .map(|s| s.split(',').map(str::to_string).collect())
+        .unwrap_or(vec!["q".into(), "v".into()]);
+    let rank: usize = args.get(5).and_then(|s| s.parse().ok()).unwrap_or(8);
+    let skip_output = args.get(6).is_some_and(|s| s == "skip-output");
     let path = turnwise::assets::resolve_model(None, true)?;
     turnwise::graph::runtime::init(true)?;
     llama::init_backend(false);
@@ -184,14 +191,14 @@ fn main() -> anyhow::Result<()> {
     };
 
     // base model
-    {
+    if !skip_output {
         let mut ctx = Context::new(&model, params(false, Some(0)))?;
         let (a, b) = score(&mut ctx, None)?;
         println!("base model: held-out {a}/30, distractor set {b}/16");
     }
 
     // output-projection LoRA, r = 8
-    {
+    if !skip_output {
         let t0 = std::time::Instant::now();
         let head = OutputHead::from_gguf(&path)?;
         let mut ctx = Context::new(&model, params(true, None))?;
@@ -283,9 +290,9 @@ fn main() -> anyhow::Result<()> {
         }
         let spec = BlockSpec {
             k,
-            targets: vec!["q".into(), "v".into()],
-            r: 8,
-            alpha: 16.0,
+            targets: targets.clone(),
+            r: rank,
+            alpha: 2.0 * rank as f32,
         };
         let mut lora = BlockLora::fresh(&tail.hp, spec.clone(), 1);
         let mut g = OrtBlock::new(
@@ -312,14 +319,15 @@ fn main() -> anyhow::Result<()> {
         let dir = std::env::temp_dir().join(format!("tw-distractor-{}-{k}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         let p = dir.join("adapter.gguf");
-        std::fs::write(&p, lora.to_gguf("llama"))?;
+        std::fs::write(&p, lora.to_gguf())?;
         let ad = LoraAdapter::load(&model, &p)?;
         ctx.set_lora(Some(&ad))?;
         let (a, b) = score(&mut ctx, None)?;
         ctx.set_lora(None)?;
         let _ = std::fs::remove_dir_all(&dir);
         println!(
-            "block LoRA q,v k={k} r=8 (served by llama.cpp): held-out {a}/30, distractor set {b}/16 (final loss {:.4}, {steps} steps in {train_s:.0} s)",
+            "block LoRA {} k={k} r={rank} lr={lr} (served by llama.cpp): held-out {a}/30, distractor set {b}/16 (final loss {:.4}, {steps} steps in {train_s:.0} s)",
+            targets.join(","),
             losses.last().copied().unwrap_or(f32::NAN)
         );
     }

@@ -42,6 +42,8 @@ pub struct BlockLora {
     pub layers: Vec<usize>,
     /// factors in (layer, target) order
     pub factors: BlockFactors,
+    /// `general.architecture` of the base model
+    pub arch: String,
 }
 
 impl BlockLora {
@@ -64,6 +66,7 @@ impl BlockLora {
             spec,
             layers,
             factors: BlockFactors { a, b },
+            arch: hp.arch.clone(),
         }
     }
 
@@ -92,7 +95,8 @@ impl BlockLora {
     /// The adapter as a GGUF LoRA file for llama.cpp (`general.type = adapter`,
     /// `adapter.type = lora`, `adapter.lora.alpha`; `blk.N.<tensor>.weight.lora_a` with
     /// ne = [in, r] and `.lora_b` with ne = [r, out], f32).
-    pub fn to_gguf(&self, arch: &str) -> Vec<u8> {
+    pub fn to_gguf(&self) -> Vec<u8> {
+        let arch = self.arch.as_str();
         let mut tensors: Vec<(String, [u64; 2], Vec<u8>)> = Vec::new();
         for (layer, t, a, b) in self.pairs() {
             let stem = target_tensor(t).unwrap_or("attn_q");
@@ -289,12 +293,120 @@ impl BlockLora {
             },
             layers,
             factors: BlockFactors { a, b },
+            arch: hp.arch.clone(),
         };
         if !out.is_finite() {
             return Err(Error::Invalid(format!(
                 "{} holds non-finite values",
                 wpath.display()
             )));
+        }
+        Ok(out)
+    }
+}
+
+impl BlockLora {
+    /// Reads a GGUF LoRA (as [`BlockLora::to_gguf`] writes it, or as llama.cpp's
+    /// `convert_lora_to_gguf.py` does with f32 / f16 tensors): alpha from `adapter.lora.alpha`,
+    /// rank from the shapes, targets and layers from the tensor names.
+    ///
+    /// # Errors
+    /// [`Error::BadModel`] for a file that is not a LoRA adapter, tensors of unknown projections,
+    /// inconsistent ranks or targets that differ between layers.
+    pub fn from_gguf(path: &Path) -> Result<Self> {
+        use crate::policy::gguf::GgufIndex;
+        use crate::policy::llama;
+        let idx = GgufIndex::open(path)?;
+        let bad = |reason: String| Error::BadModel {
+            path: path.into(),
+            reason,
+        };
+        if idx.meta.get("general.type").map(String::as_str) != Some("adapter")
+            || idx.meta.get("adapter.type").map(String::as_str) != Some("lora")
+        {
+            return Err(bad("not a GGUF LoRA adapter (general.type / adapter.type)".into()));
+        }
+        let alpha = idx.meta_f64("adapter.lora.alpha")? as f32;
+        // (layer, target) -> (A, B)
+        let mut found: std::collections::BTreeMap<(usize, usize), [Option<Array2<f32>>; 2]> =
+            Default::default();
+        let order = ["q", "k", "v", "o", "gate", "up", "down"];
+        for t in &idx.tensors {
+            let (stem, ab) = match t.name.strip_suffix(".weight.lora_a") {
+                Some(s) => (s, 0),
+                None => match t.name.strip_suffix(".weight.lora_b") {
+                    Some(s) => (s, 1),
+                    None => continue,
+                },
+            };
+            let mut parts = stem.splitn(3, '.');
+            let (Some("blk"), Some(layer), Some(tensor)) = (parts.next(), parts.next(), parts.next())
+            else {
+                return Err(bad(format!("unexpected LoRA tensor {}", t.name)));
+            };
+            let layer: usize = layer
+                .parse()
+                .map_err(|_| bad(format!("unexpected LoRA tensor {}", t.name)))?;
+            let ti = order
+                .iter()
+                .position(|o| target_tensor(o) == Some(tensor))
+                .ok_or_else(|| bad(format!("LoRA on {tensor} is not supported")))?;
+            let (cols, rows) = match t.dims.as_slice() {
+                [c, r] => (*c as usize, *r as usize),
+                d => return Err(bad(format!("{} has shape {d:?}", t.name))),
+            };
+            let n = cols * rows;
+            let raw = idx.read_tensor_bytes(t, llama::row_size(t.ggml_type, n)?)?;
+            let v = llama::dequantize(t.ggml_type, &raw, n)?;
+            let m = Array2::from_shape_vec((rows, cols), v).map_err(|e| bad(e.to_string()))?;
+            found.entry((layer, ti)).or_default()[ab] = Some(m);
+        }
+        let layers: Vec<usize> = {
+            let mut l: Vec<usize> = found.keys().map(|k| k.0).collect();
+            l.dedup();
+            l
+        };
+        let targets_of = |layer: usize| -> Vec<usize> {
+            found.keys().filter(|k| k.0 == layer).map(|k| k.1).collect()
+        };
+        let first = layers
+            .first()
+            .copied()
+            .ok_or_else(|| bad("the file holds no LoRA tensors".into()))?;
+        let tis = targets_of(first);
+        if layers.iter().any(|&l| targets_of(l) != tis) {
+            return Err(bad("layers adapt different projections".into()));
+        }
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let mut r = None;
+        for (&(layer, ti), pair) in &found {
+            let [Some(am), Some(bm)] = pair else {
+                return Err(bad(format!(
+                    "layer {layer} {}: lora_a or lora_b is missing",
+                    order[ti]
+                )));
+            };
+            if am.nrows() != bm.ncols() || r.is_some_and(|r| r != am.nrows()) {
+                return Err(bad(format!("layer {layer} {}: inconsistent rank", order[ti])));
+            }
+            r = Some(am.nrows());
+            a.push(am.clone());
+            b.push(bm.clone());
+        }
+        let spec = BlockSpec {
+            k: layers.len(),
+            targets: tis.iter().map(|&t| order[t].to_string()).collect(),
+            r: r.unwrap_or(0),
+            alpha,
+        };
+        let out = BlockLora {
+            spec,
+            layers,
+            factors: BlockFactors { a, b },
+            arch: idx.architecture.clone().unwrap_or_default(),
+        };
+        if !out.is_finite() {
+            return Err(bad("non-finite LoRA values".into()));
         }
         Ok(out)
     }

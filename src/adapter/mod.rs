@@ -1,5 +1,7 @@
 //! The trainable state: a LoRA adapter on the output projection and a value head, their
-//! PEFT-style safetensors files, and their application at sampling time.
+//! PEFT-style safetensors files, and their application at sampling time; optionally a block
+//! LoRA inside the last transformer blocks ([`block`]), which llama.cpp applies itself from a
+//! GGUF LoRA file in the same directory.
 //!
 //! `logits = W·h + (α/r)·B·(A·h)` with `A: [r, n_embd]`, `B: [n_vocab, r]`, where `h` is the
 //! hidden state exactly as the output matmul saw it (the stored feature). `V(s) = σ(w·h_s + b)`.
@@ -30,6 +32,8 @@ pub const VALUE_B: &str = "value_head.bias";
 pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
 /// PEFT config file.
 pub const CONFIG_FILE: &str = "adapter_config.json";
+/// The block LoRA of a version, as the GGUF LoRA llama.cpp loads.
+pub const BLOCK_FILE: &str = "block_adapter.gguf";
 
 /// `adapter_config.json`, PEFT field names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -62,6 +66,9 @@ pub struct Adapter {
     pub value_w: Array1<f32>,
     /// value-head bias
     pub value_b: f32,
+    /// a LoRA inside the last blocks, applied by llama.cpp (none: the blocks are the base
+    /// model's)
+    pub block: Option<block::BlockLora>,
 }
 
 impl Adapter {
@@ -93,6 +100,7 @@ impl Adapter {
             b: Array2::zeros((n_vocab, r)),
             value_w: Array1::zeros(n_embd),
             value_b: 0.0,
+            block: None,
         }
     }
 
@@ -143,6 +151,7 @@ impl Adapter {
             .chain(self.value_w.iter())
             .all(|x| x.is_finite())
             && self.value_b.is_finite()
+            && self.block.as_ref().is_none_or(|b| b.is_finite())
     }
 
     /// Checks the shapes against a model.
@@ -226,6 +235,9 @@ impl Adapter {
             &tmp.join(CONFIG_FILE),
             serde_json::to_string_pretty(&self.config)?.as_bytes(),
         )?;
+        if let Some(b) = &self.block {
+            write_synced(&tmp.join(BLOCK_FILE), &b.to_gguf())?;
+        }
         for (name, data) in extra {
             write_synced(&tmp.join(name), data)?;
         }
@@ -234,6 +246,30 @@ impl Adapter {
             let _ = d.sync_all();
         }
         Ok(())
+    }
+
+    /// The output-projection LoRA as PEFT files (`lm_head` names; no value head): the
+    /// safetensors blob and `adapter_config.json`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when safetensors refuses a tensor.
+    pub fn to_peft(&self) -> Result<(Vec<u8>, String)> {
+        let (a, b) = (f32_bytes(self.a.iter()), f32_bytes(self.b.iter()));
+        let (r, d, v) = (self.config.r, self.n_embd(), self.n_vocab());
+        let err = |e: safetensors::SafeTensorError| Error::Invalid(format!("safetensors: {e}"));
+        let tensors = vec![
+            (
+                LORA_A,
+                TensorView::new(Dtype::F32, vec![r, d], &a).map_err(err)?,
+            ),
+            (
+                LORA_B,
+                TensorView::new(Dtype::F32, vec![v, r], &b).map_err(err)?,
+            ),
+        ];
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let blob = safetensors::serialize(tensors, Some(meta)).map_err(err)?;
+        Ok((blob, serde_json::to_string_pretty(&self.config)?))
     }
 
     /// Reads an adapter directory.
@@ -268,6 +304,14 @@ impl Adapter {
             value_w: Array1::from(vw),
             value_b: vb.first().copied().unwrap_or(0.0),
             config,
+            block: {
+                let bp = dir.join(BLOCK_FILE);
+                if bp.exists() {
+                    Some(block::BlockLora::from_gguf(&bp)?)
+                } else {
+                    None
+                }
+            },
         };
         if out.value_w.len() != out.n_embd() {
             return Err(Error::Invalid(

@@ -232,6 +232,193 @@ pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The block-LoRA step (q,v, r = 8, last k blocks, llama.cpp's roundings emulated) on four
+/// sessions of 256 positions with 64 scored reply tokens each, as tokens per second; then
+/// llama.cpp's decode speed with a GGUF block adapter set against none.
+fn block_step(
+    args: &BenchArgs,
+    cfg: &turnwise::EngineConfig,
+    obj: &turnwise::learn::objective::ObjectiveConfig,
+) -> anyhow::Result<()> {
+    use ndarray::Array2;
+    use turnwise::adapter::block::BlockLora;
+    use turnwise::graph::block::{BlockGraphKind, BlockRows, BlockSpec, OrtBlock};
+    use turnwise::graph::step::{ObjectiveInputs, StepKind};
+    use turnwise::graph::Device;
+    use turnwise::learn::objective::{clip_bounds, group_mean_matrix, policy_weights, TokenBatch};
+    use turnwise::policy::blocks::TailModel;
+    use turnwise::policy::llama::{self, Context, ContextParams, LoraAdapter, Model};
+    use turnwise::policy::sampler::Rng;
+
+    let (sessions, len, reply) = (4usize, 256usize, 64usize);
+    println!(
+        "block-LoRA step (q,v r=8, turn ratio, adaptive clip): {sessions} sessions x {len} positions, {} scored; median of {} reps",
+        sessions * reply,
+        args.reps
+    );
+    println!(
+        "{:>4} {:>10} {:>18} {:>16}",
+        "k", "ms/step", "scored tokens/s", "positions/s"
+    );
+    let mut rng = Rng::new(2);
+    let n = sessions * len;
+    let s = sessions * reply;
+    let batch = TokenBatch {
+        seq: (0..s).map(|k| k / reply).collect(),
+        turn: (0..s).map(|k| k / 16).collect(),
+        adv: (0..s)
+            .map(|k| if (k / reply) % 2 == 0 { 1.0 } else { -1.0 })
+            .collect(),
+        ig_hat: vec![0.0; s],
+        final_turn: (0..s).map(|k| k % reply >= 48).collect(),
+        logp_old: vec![-3.0; s],
+        logp_behavior: vec![-3.0; s],
+        logp_ref: vec![-3.0; s],
+        trainable: Vec::new(),
+    };
+    let f = |x: &[f64]| x.iter().map(|&y| y as f32).collect::<Vec<f32>>();
+    let bounds = clip_bounds(obj, &batch);
+    for k in [2usize, 4] {
+        let tail = TailModel::from_gguf(&cfg.model, k)?;
+        let hp = tail.hp.clone();
+        let x = Array2::from_shape_fn((n, hp.n_embd), |_| (rng.next_f64() * 2.0 - 1.0) as f32);
+        let tokens: Vec<usize> = (0..s)
+            .map(|_| (rng.next_u64() % hp.n_vocab as u64) as usize)
+            .collect();
+        let spec = BlockSpec {
+            k,
+            targets: vec!["q".into(), "v".into()],
+            r: 8,
+            alpha: 16.0,
+        };
+        let mut lora = BlockLora::fresh(&hp, spec.clone(), 1);
+        for b in lora.factors.b.iter_mut() {
+            b.mapv_inplace(|_| (rng.next_f64() * 0.02 - 0.01) as f32);
+        }
+        let mut g = OrtBlock::new(
+            tail,
+            spec,
+            BlockGraphKind::Step(StepKind::Surrogate {
+                granularity: turnwise::learn::objective::Granularity::Turn,
+                kl: false,
+                entropy: false,
+            }),
+            true,
+            Device::Cpu,
+            cfg.n_threads as usize,
+        )?;
+        let rows = BlockRows {
+            x: x.view(),
+            pos: (0..n).map(|i| i % len).collect(),
+            seg: (0..n).map(|i| i / len).collect(),
+            scored: (0..s)
+                .map(|i| (i / reply) * len + len - reply - 1 + i % reply)
+                .collect(),
+        };
+        let objective = ObjectiveInputs {
+            tokens: &tokens,
+            w: f(&policy_weights(obj, &batch)),
+            old: f(&batch.logp_old),
+            adv: f(&batch.adv),
+            lo: bounds.iter().map(|b| b.0 as f32).collect(),
+            hi: bounds.iter().map(|b| b.1 as f32).collect(),
+            gmat: Some(group_mean_matrix(obj, &batch).mapv(|x| x as f32)),
+            kl: None,
+            entropy: None,
+            digit_class: None,
+        };
+        g.step(&rows, &lora.factors, &objective)?; // warm-up
+        let mut ms = Vec::new();
+        for _ in 0..args.reps {
+            let t0 = Instant::now();
+            g.step(&rows, &lora.factors, &objective)?;
+            ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let m = median(ms);
+        println!(
+            "{k:>4} {m:>10.0} {:>18.0} {:>16.0}",
+            s as f64 / (m / 1e3),
+            n as f64 / (m / 1e3)
+        );
+    }
+
+    // serving: decode speed with a block adapter set in llama.cpp vs none
+    llama::init_backend(false);
+    let model = Model::load(&cfg.model, 0)?;
+    let tail = TailModel::from_gguf(&cfg.model, 2)?;
+    let mut lora = BlockLora::fresh(
+        &tail.hp,
+        BlockSpec {
+            k: 2,
+            targets: vec!["q".into(), "v".into()],
+            r: 8,
+            alpha: 16.0,
+        },
+        1,
+    );
+    for b in lora.factors.b.iter_mut() {
+        b.mapv_inplace(|_| (rng.next_f64() * 0.02 - 0.01) as f32);
+    }
+    let dir = tempfile_dir()?;
+    let path = dir.join("bench-block.gguf");
+    std::fs::write(&path, lora.to_gguf())?;
+    let adapter = LoraAdapter::load(&model, &path)?;
+    let prompt = model.tokenize("<|im_start|>user\nWhere is my order 48213?<|im_end|>\n<|im_start|>assistant\n", true, true)?;
+    let decode_rate = |block_mode: bool, with: bool| -> anyhow::Result<f64> {
+        let mut ctx = Context::new(
+            &model,
+            ContextParams {
+                n_ctx: 1024,
+                n_batch: 512,
+                n_threads: cfg.n_threads,
+                capture_hidden: false,
+                capture_block: block_mode.then_some(tail.input_layer()),
+            },
+        )?;
+        ctx.set_lora(with.then_some(&adapter))?;
+        let mut rates = Vec::new();
+        for _ in 0..args.reps {
+            ctx.truncate(0);
+            let mut outs = vec![false; prompt.len()];
+            outs[prompt.len() - 1] = true;
+            ctx.decode(&prompt, 0, &outs)?;
+            let t0 = Instant::now();
+            let mut tok = prompt[prompt.len() - 1];
+            for i in 0..args.decode_tokens {
+                let l = ctx.logits(0);
+                tok = l
+                    .iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .map(|(j, _)| j as i32)
+                    .unwrap_or(tok);
+                ctx.decode(&[tok], prompt.len() + i, &[true])?;
+                ctx.take_block_rows();
+            }
+            rates.push(args.decode_tokens as f64 / t0.elapsed().as_secs_f64());
+        }
+        Ok(median(rates))
+    };
+    let plain = decode_rate(false, false)?;
+    let block_none = decode_rate(true, false)?;
+    let block_with = decode_rate(true, true)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "llama.cpp decode, {} tokens: no adapter (flash attention auto) {plain:.1} tok/s; block mode (capture l_out-{}, no flash attention) {block_none:.1} tok/s; with a k=2 q,v r=8 GGUF LoRA {block_with:.1} tok/s = {:.3}x block mode, {:.3}x plain",
+        args.decode_tokens,
+        tail.input_layer(),
+        block_with / block_none,
+        block_with / plain
+    );
+    Ok(())
+}
+
+fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {
+    let d = std::env::temp_dir().join(format!("turnwise-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
+
 /// The learner's step: the differentiated ONNX graph in ONNX Runtime against the same step in
 /// ndarray, on real features (rounded hidden states of the default model) and its real output
 /// weight; plus the prefill used to rescore imported logs.
@@ -354,6 +541,7 @@ fn train(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
             );
         }
     }
+    block_step(&args, &cfg, &obj)?;
     // rescoring prefill (imports): one prefill over ~1000 tokens with outputs on the reply rows
     let engine = Engine::start(cfg.clone())?;
     let text = "Order 48213 was a blue jacket, size M, shipped to Lisbon. ".repeat(60);

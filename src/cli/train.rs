@@ -300,6 +300,158 @@ enum AdaptersCmd {
     },
     /// Return to the adapter active before the current one (or the base model)
     Rollback,
+    /// Import a block LoRA trained elsewhere: a PEFT directory (`adapter_config.json` +
+    /// `adapter_model.safetensors`, e.g. from TRL or verl) or a GGUF LoRA file. It becomes a
+    /// candidate version (output LoRA and value head fresh); activate it to serve it
+    Import {
+        /// PEFT directory or `.gguf` file
+        path: std::path::PathBuf,
+        /// GGUF model it must fit [default: the default model]
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
+    },
+    /// Write an adapter's LoRA for other tools: `gguf` (llama.cpp, Ollama; block LoRA only) or
+    /// `peft` (Hugging Face names, for PEFT / TRL / vLLM)
+    Export {
+        /// adapter id
+        id: i64,
+        /// gguf or peft
+        #[arg(long, default_value = "peft")]
+        format: String,
+        /// output directory (created)
+        #[arg(long)]
+        out: std::path::PathBuf,
+        /// GGUF model the adapter belongs to [default: the default model]
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
+    },
+}
+
+/// Loads `block` into llama.cpp for `model` (its own loader checks architecture and shapes).
+fn check_block_loads(
+    model: &Path,
+    block: &turnwise::adapter::block::BlockLora,
+) -> anyhow::Result<()> {
+    use turnwise::policy::llama;
+    llama::init_backend(false);
+    let m = llama::Model::load(model, 0)?;
+    let tmp = tempfile_path("check");
+    std::fs::write(&tmp, block.to_gguf())?;
+    let r = llama::LoraAdapter::load(&m, &tmp);
+    let _ = std::fs::remove_file(&tmp);
+    r.map(drop)
+        .with_context(|| format!("llama.cpp refuses the block LoRA for {}", model.display()))
+}
+
+fn tempfile_path(what: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("turnwise-{what}-{}.gguf", std::process::id()))
+}
+
+fn import_block(store: &mut Store, db: &Path, path: &Path, model: &Path) -> anyhow::Result<i64> {
+    use turnwise::adapter::block::BlockLora;
+    use turnwise::policy::blocks::Hparams;
+    use turnwise::policy::gguf::GgufIndex;
+    let hp = Hparams::from_index(&GgufIndex::open(model)?)?;
+    let block = if path.is_dir() {
+        BlockLora::from_peft(path, &hp)?
+    } else {
+        let b = BlockLora::from_gguf(path)?;
+        if b.arch != hp.arch {
+            anyhow::bail!(
+                "{} is a LoRA for `{}`, the model is `{}`",
+                path.display(),
+                b.arch,
+                hp.arch
+            );
+        }
+        b
+    };
+    check_block_loads(model, &block)?;
+    let head = OutputHead::from_gguf(model)?;
+    let mut adapter = Adapter::fresh(
+        head.n_embd(),
+        head.n_vocab(),
+        8,
+        16.0,
+        0,
+        &model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+    );
+    let summary = serde_json::json!({
+        "imported": path.display().to_string(),
+        "block": {
+            "layers": block.layers,
+            "targets": block.spec.targets,
+            "r": block.spec.r,
+            "alpha": block.spec.alpha,
+        },
+    });
+    adapter.block = Some(block);
+    let id = store.register_adapter(None, |id| {
+        turnwise::adapter::adapter_dir(db, id)
+            .to_string_lossy()
+            .into_owned()
+    })?;
+    if let Err(e) = adapter.save(&turnwise::adapter::adapter_dir(db, id)) {
+        store.set_adapter_status(
+            id,
+            turnwise::AdapterStatus::Rejected,
+            Some(&serde_json::json!({"error": e.to_string()})),
+        )?;
+        return Err(e.into());
+    }
+    store.set_adapter_status(id, turnwise::AdapterStatus::Candidate, Some(&summary))?;
+    Ok(id)
+}
+
+fn export_adapter(
+    store: &Store,
+    id: i64,
+    format: &str,
+    out: &Path,
+    model: &Path,
+) -> anyhow::Result<Vec<std::path::PathBuf>> {
+    use turnwise::policy::blocks::Hparams;
+    use turnwise::policy::gguf::GgufIndex;
+    let rec = store.adapter(id)?;
+    let a = Adapter::load(Path::new(&rec.path))
+        .with_context(|| format!("adapter {id} is not loadable"))?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut written = Vec::new();
+    match format {
+        "gguf" => {
+            let b = a.block.as_ref().ok_or_else(|| {
+                anyhow::anyhow!(
+                    "adapter {id} has no block LoRA: its LoRA is on the output projection, which \
+                     llama.cpp cannot load for models that tie it to the token embeddings \
+                     (SmolLM2); export it with --format peft"
+                )
+            })?;
+            let p = out.join("adapter.gguf");
+            std::fs::write(&p, b.to_gguf())?;
+            written.push(p);
+        }
+        "peft" => {
+            let p = out.join(turnwise::adapter::WEIGHTS_FILE);
+            let c = out.join(turnwise::adapter::CONFIG_FILE);
+            match &a.block {
+                Some(b) => {
+                    let hp = Hparams::from_index(&GgufIndex::open(model)?)?;
+                    let (st, cfg) = b.to_peft(&hp, &a.config.base_model_name_or_path)?;
+                    std::fs::write(&p, st)?;
+                    std::fs::write(&c, cfg)?;
+                }
+                None => {
+                    let (st, cfg) = a.to_peft()?;
+                    std::fs::write(&p, st)?;
+                    std::fs::write(&c, cfg)?;
+                }
+            }
+            written.push(p);
+            written.push(c);
+        }
+        other => anyhow::bail!("unknown format {other:?} (gguf, peft)"),
+    }
+    Ok(written)
 }
 
 pub(crate) fn parse_source(s: Option<&str>) -> anyhow::Result<Option<Source>> {
@@ -454,7 +606,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     if verdict.passed {
         gate::record(&store, id, &verdict)?;
     }
-    activate_checked(&mut store, id, &head)?;
+    activate_checked(&mut store, id, &head, &model)?;
     println!(
         "adapter {id} is active{}",
         if verdict.passed {
@@ -468,11 +620,23 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
 
 /// Activates `id` after checking it against the model's output head (`learn::gate::activate`;
 /// nothing is served in this process, so there is nothing to restore when the write fails).
-fn activate_checked(store: &mut Store, id: i64, head: &OutputHead) -> anyhow::Result<()> {
+fn activate_checked(
+    store: &mut Store,
+    id: i64,
+    head: &OutputHead,
+    model: &Path,
+) -> anyhow::Result<()> {
     gate::activate(
         store,
         id,
-        |a| a.check_model(head.n_embd(), head.n_vocab()),
+        |a| {
+            a.check_model(head.n_embd(), head.n_vocab())?;
+            match &a.block {
+                Some(b) => check_block_loads(model, b)
+                    .map_err(|e| turnwise::Error::Invalid(format!("{e:#}"))),
+                None => Ok(()),
+            }
+        },
         || Ok(()),
     )?;
     Ok(())
@@ -505,13 +669,32 @@ pub fn adapters(args: AdaptersArgs, db: &Path) -> anyhow::Result<ExitCode> {
         AdaptersCmd::Activate { id, model } => {
             let model = assets::resolve_model(model.as_deref(), false)?;
             let head = OutputHead::from_gguf(&model)?;
-            activate_checked(&mut store, id, &head)?;
+            activate_checked(&mut store, id, &head, &model)?;
             println!("adapter {id} is active");
         }
         AdaptersCmd::Rollback => match store.rollback_adapter()? {
             Some(id) => println!("adapter {id} is active again"),
             None => println!("no adapter is active: the base model samples"),
         },
+        AdaptersCmd::Import { path, model } => {
+            let model = assets::resolve_model(model.as_deref(), false)?;
+            let id = import_block(&mut store, db, &path, &model)?;
+            println!(
+                "imported {} as adapter {id} (candidate); serve it with `turnwise adapters activate {id}`",
+                path.display()
+            );
+        }
+        AdaptersCmd::Export {
+            id,
+            format,
+            out,
+            model,
+        } => {
+            let model = assets::resolve_model(model.as_deref(), false)?;
+            for p in export_adapter(&store, id, &format, &out, &model)? {
+                println!("{}", p.display());
+            }
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

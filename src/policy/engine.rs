@@ -490,8 +490,10 @@ impl Engine {
 }
 
 struct Worker {
-    // field order matters: the context must drop before the model
+    // field order matters: the context must drop before the LoRA it uses, both before the model
     ctx: Context,
+    /// the block LoRA llama.cpp applies (the adapter's `block` part), as loaded
+    lora: Option<(crate::adapter::block::BlockLora, llama::LoraAdapter)>,
     model: Model,
     info: ModelInfo,
     n_embd: usize,
@@ -575,6 +577,7 @@ impl Worker {
             }
         }
         Ok(Worker {
+            lora: None,
             assistant_opening,
             turn_end,
             act_type,
@@ -684,8 +687,11 @@ impl Worker {
                     let _ = reply.send(r);
                 }
                 Command::SetAdapter { adapter, reply } => {
-                    self.adapter = adapter;
-                    let _ = reply.send(Ok(()));
+                    let r = self.set_block(adapter.as_ref().and_then(|(_, a)| a.block.as_ref()));
+                    if r.is_ok() {
+                        self.adapter = adapter;
+                    }
+                    let _ = reply.send(r);
                 }
                 Command::SetShadow { adapter, reply } => {
                     self.shadow = adapter;
@@ -693,6 +699,40 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Makes `block` the LoRA llama.cpp applies inside the blocks (loaded from a GGUF LoRA
+    /// written to a temporary file), unless it already is. llama.cpp keeps the KV cache on a
+    /// switch, so every cached position — computed under the other adapter — is dropped; the
+    /// previous adapter is freed once the context no longer holds it.
+    fn set_block(&mut self, block: Option<&crate::adapter::block::BlockLora>) -> Result<()> {
+        let same = match (&self.lora, block) {
+            (None, None) => true,
+            (Some((cur, _)), Some(new)) => cur == new,
+            _ => false,
+        };
+        if same {
+            return Ok(());
+        }
+        let loaded = match block {
+            None => None,
+            Some(b) => {
+                let path = std::env::temp_dir().join(format!(
+                    "turnwise-block-{}-{:x}.gguf",
+                    std::process::id(),
+                    self as *const Worker as usize
+                ));
+                std::fs::write(&path, b.to_gguf()).map_err(|e| Error::io(&path, e))?;
+                let l = llama::LoraAdapter::load(&self.model, &path);
+                let _ = std::fs::remove_file(&path);
+                Some((b.clone(), l?))
+            }
+        };
+        self.ctx.set_lora(loaded.as_ref().map(|(_, l)| l))?;
+        self.ctx.truncate(0);
+        self.cached.clear();
+        self.lora = loaded;
+        Ok(())
     }
 
     /// Appends messages to a copy of the session and checks the context budget (`reserve`
