@@ -284,7 +284,14 @@ fn an_imported_peft_block_lora_is_exported_activated_and_hot_swapped() {
 
     let gguf_dir = dir.path().join("gguf");
     let o = crate::common::turnwise(&db)
-        .args(["adapters", "export", &id.to_string(), "--format", "gguf", "--out"])
+        .args([
+            "adapters",
+            "export",
+            &id.to_string(),
+            "--format",
+            "gguf",
+            "--out",
+        ])
         .arg(&gguf_dir)
         .output()
         .unwrap();
@@ -293,7 +300,14 @@ fn an_imported_peft_block_lora_is_exported_activated_and_hot_swapped() {
     assert_eq!(back, lora, "PEFT → store → GGUF changed the adapter");
     let peft_out = dir.path().join("peft-out");
     let o = crate::common::turnwise(&db)
-        .args(["adapters", "export", &id.to_string(), "--format", "peft", "--out"])
+        .args([
+            "adapters",
+            "export",
+            &id.to_string(),
+            "--format",
+            "peft",
+            "--out",
+        ])
         .arg(&peft_out)
         .output()
         .unwrap();
@@ -328,7 +342,10 @@ fn an_imported_peft_block_lora_is_exported_activated_and_hot_swapped() {
     let engine = Engine::start(EngineConfig::new(path)).unwrap();
     let msgs = || {
         vec![
-            Message::new(Role::System, "You are a helpful customer-service assistant."),
+            Message::new(
+                Role::System,
+                "You are a helpful customer-service assistant.",
+            ),
             Message::new(Role::User, "Where is my order 48213?"),
         ]
     };

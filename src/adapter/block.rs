@@ -324,7 +324,9 @@ impl BlockLora {
         if idx.meta.get("general.type").map(String::as_str) != Some("adapter")
             || idx.meta.get("adapter.type").map(String::as_str) != Some("lora")
         {
-            return Err(bad("not a GGUF LoRA adapter (general.type / adapter.type)".into()));
+            return Err(bad(
+                "not a GGUF LoRA adapter (general.type / adapter.type)".into()
+            ));
         }
         let alpha = idx.meta_f64("adapter.lora.alpha")? as f32;
         // (layer, target) -> (A, B)
@@ -340,7 +342,8 @@ impl BlockLora {
                 },
             };
             let mut parts = stem.splitn(3, '.');
-            let (Some("blk"), Some(layer), Some(tensor)) = (parts.next(), parts.next(), parts.next())
+            let (Some("blk"), Some(layer), Some(tensor)) =
+                (parts.next(), parts.next(), parts.next())
             else {
                 return Err(bad(format!("unexpected LoRA tensor {}", t.name)));
             };
@@ -387,7 +390,10 @@ impl BlockLora {
                 )));
             };
             if am.nrows() != bm.ncols() || r.is_some_and(|r| r != am.nrows()) {
-                return Err(bad(format!("layer {layer} {}: inconsistent rank", order[ti])));
+                return Err(bad(format!(
+                    "layer {layer} {}: inconsistent rank",
+                    order[ti]
+                )));
             }
             r = Some(am.nrows());
             a.push(am.clone());

@@ -363,7 +363,11 @@ fn block_step(
     let path = dir.join("bench-block.gguf");
     std::fs::write(&path, lora.to_gguf())?;
     let adapter = LoraAdapter::load(&model, &path)?;
-    let prompt = model.tokenize("<|im_start|>user\nWhere is my order 48213?<|im_end|>\n<|im_start|>assistant\n", true, true)?;
+    let prompt = model.tokenize(
+        "<|im_start|>user\nWhere is my order 48213?<|im_end|>\n<|im_start|>assistant\n",
+        true,
+        true,
+    )?;
     let decode_rate = |block_mode: bool, with: bool| -> anyhow::Result<f64> {
         let mut ctx = Context::new(
             &model,
@@ -385,7 +389,7 @@ fn block_step(
             let t0 = Instant::now();
             let mut tok = prompt[prompt.len() - 1];
             for i in 0..args.decode_tokens {
-                let l = ctx.logits(0);
+                let l = ctx.logits(if i == 0 { prompt.len() - 1 } else { 0 });
                 tok = l
                     .iter()
                     .enumerate()

@@ -374,7 +374,10 @@ fn import_block(store: &mut Store, db: &Path, path: &Path, model: &Path) -> anyh
         8,
         16.0,
         0,
-        &model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        &model
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
     );
     let summary = serde_json::json!({
         "imported": path.display().to_string(),
