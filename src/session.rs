@@ -177,6 +177,7 @@ pub fn turns_from_generation(
             dtype: info.feature_dtype,
             values: r.hidden.clone(),
         }),
+        block: r.block.clone().filter(|b| !b.values.is_empty()),
         ..NewTurn::message(
             crate::policy::Role::Assistant,
             r.text.clone(),

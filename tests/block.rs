@@ -369,3 +369,97 @@ fn an_imported_peft_block_lora_is_exported_activated_and_hot_swapped() {
     assert_eq!(again.reply.tokens, base.reply.tokens);
     assert_eq!(again.reply.logp_behavior, base.reply.logp_behavior);
 }
+
+/// With block capture on, each reply carries the block inputs of the positions its generation
+/// covered — the prompt rows bit-identical to a fresh llama.cpp capture, the next reply starting
+/// where the last one ended — and the recorder stores them with the assistant turn (f16).
+#[test]
+fn the_engine_logs_block_inputs_for_every_position_of_a_session() {
+    use turnwise::policy::{Message, Role, SamplerParams};
+    use turnwise::session::Recorder;
+    use turnwise::store::{NewSession, Source, Store};
+    use turnwise::{Engine, EngineConfig};
+
+    let path = model_path();
+    let mut cfg = EngineConfig::new(path.clone());
+    cfg.block_k = Some(2);
+    let engine = Engine::start(cfg).unwrap();
+    let greedy = SamplerParams {
+        temperature: 0.0,
+        max_tokens: 12,
+        ..Default::default()
+    };
+    let first = vec![
+        Message::new(
+            Role::System,
+            "You are a helpful customer-service assistant.",
+        ),
+        Message::new(Role::User, "Where is my order 48213?"),
+    ];
+    let g1 = engine.generate(7, first, greedy.clone(), None).unwrap();
+    let b1 = g1.reply.block.clone().expect("block inputs");
+    assert_eq!((b1.layer, b1.first_pos, b1.n_embd), (27, 0, 576));
+    assert_eq!(b1.n_pos(), g1.reply.context_len + g1.reply.tokens.len() - 1);
+
+    // the prompt rows: what a fresh context captures for the same tokens in one batch
+    turnwise::graph::runtime::init(true).unwrap();
+    llama::init_backend(false);
+    let model = Model::load(&path, 0).unwrap();
+    let mut ctx = Context::new(
+        &model,
+        ContextParams {
+            n_ctx: 2048,
+            n_batch: 512,
+            n_threads: 2,
+            capture_hidden: true,
+            capture_block: Some(27),
+        },
+    )
+    .unwrap();
+    let prompt = engine.session_tokens(7).unwrap();
+    let n = g1.reply.context_len;
+    let mut outs = vec![false; n];
+    outs[n - 1] = true;
+    ctx.decode(&prompt[..n], 0, &outs).unwrap();
+    let fresh = ctx.take_block_rows();
+    assert!(fresh[..] == b1.values[..n * 576], "prompt rows differ");
+
+    let g2 = engine
+        .generate(
+            7,
+            vec![Message::new(Role::User, "It was due on Monday.")],
+            greedy.clone(),
+            None,
+        )
+        .unwrap();
+    let b2 = g2.reply.block.clone().unwrap();
+    assert_eq!(b2.first_pos, b1.first_pos + b1.n_pos());
+    assert_eq!(
+        b2.first_pos + b2.n_pos(),
+        g2.reply.context_len + g2.reply.tokens.len() - 1
+    );
+
+    let dir = tempdir();
+    let mut store = Store::open(&dir.path().join("b.db")).unwrap();
+    let rec = Recorder::open(&store, &NewSession::new(Source::Chat)).unwrap();
+    let ids = rec
+        .generation(&mut store, &g1, &greedy, engine.info())
+        .unwrap();
+    let stored = store.block_features(*ids.last().unwrap()).unwrap().unwrap();
+    assert_eq!((stored.first_pos, stored.layer), (0, 27));
+    let f16: Vec<f32> = b1
+        .values
+        .iter()
+        .map(|&v| half::f16::from_f32(v).to_f32())
+        .collect();
+    assert_eq!(stored.values, f16);
+    assert_eq!(
+        store.block_features(ids[0]).unwrap(),
+        None,
+        "user turns hold none"
+    );
+    let stats = store.storage_stats().unwrap();
+    assert_eq!(stats.block_positions as usize, b1.n_pos());
+    assert_eq!(stats.block_bytes as usize, b1.n_pos() * 1152);
+    engine.close(7);
+}

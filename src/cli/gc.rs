@@ -34,8 +34,13 @@ pub fn run(args: GcArgs, db: &Path) -> anyhow::Result<ExitCode> {
     }
     let after = store.storage_stats()?;
     println!(
-        "dropped features of {n} turns; feature bytes {} -> {}; database {} -> {} bytes",
-        before.feature_bytes, after.feature_bytes, before.file_bytes, after.file_bytes
+        "dropped features of {n} turns; feature bytes {} -> {}; block-input bytes {} -> {}; database {} -> {} bytes",
+        before.feature_bytes,
+        after.feature_bytes,
+        before.block_bytes,
+        after.block_bytes,
+        before.file_bytes,
+        after.file_bytes
     );
     Ok(ExitCode::SUCCESS)
 }

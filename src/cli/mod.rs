@@ -77,6 +77,11 @@ pub struct ModelArgs {
     /// Chat template override: a llama.cpp built-in name (e.g. chatml) or template text
     #[arg(long)]
     template: Option<String>,
+    /// Log, for every position, the input of the last K blocks (block-LoRA training data, 1 152
+    /// bytes per position at f16 for the default model; llama.cpp then runs without flash
+    /// attention)
+    #[arg(long, value_name = "K")]
+    block_capture: Option<usize>,
 }
 
 impl ModelArgs {
@@ -86,6 +91,7 @@ impl ModelArgs {
         c.n_ctx = self.ctx;
         c.n_threads = self.threads;
         c.template = self.template.clone();
+        c.block_k = self.block_capture;
         c.verbose = verbose;
         Ok(c)
     }

@@ -168,6 +168,13 @@ pub fn run(args: SessionsArgs, db: &Path) -> anyhow::Result<ExitCode> {
                 "bytes per sampled token with features: {:.0}",
                 st.bytes_per_featured_token()
             );
+            if st.block_positions > 0 {
+                println!(
+                    "block inputs: {} positions, {:.0} bytes per position",
+                    st.block_positions,
+                    st.block_bytes as f64 / st.block_positions as f64
+                );
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -36,6 +36,10 @@ pub struct EngineConfig {
     pub template: Option<String>,
     /// capture hidden states of sampled positions (needed for learning)
     pub capture_hidden: bool,
+    /// capture, for every position, the input of the last `k` blocks (block LoRA's training
+    /// data; llama.cpp then runs without flash attention, whose rounding the graph does not
+    /// reproduce)
+    pub block_k: Option<usize>,
     /// show llama.cpp's own log
     pub verbose: bool,
 }
@@ -50,6 +54,7 @@ impl EngineConfig {
             n_threads: 2,
             template: None,
             capture_hidden: true,
+            block_k: None,
             verbose: false,
         }
     }
@@ -110,6 +115,10 @@ pub struct Reply {
     pub support: Vec<sampler::Support>,
     /// final hidden state of each sampling position, `tokens.len() × n_embd`
     pub hidden: Vec<f32>,
+    /// block inputs (with `EngineConfig::block_k`) of the positions this generation covered
+    /// that an earlier reply of the session did not: the session's token sequence from
+    /// `first_pos` up to the last decoded position
+    pub block: Option<crate::store::BlockFeatures>,
     /// why generation ended
     pub stop: StopReason,
     /// context length (tokens) before the first sampled token
@@ -513,6 +522,12 @@ struct Worker {
     digit_pieces: Vec<(usize, String)>,
     /// tokens currently in the KV cache
     cached: Vec<Token>,
+    /// N of the captured `l_out-N` (block capture on)
+    block_layer: Option<usize>,
+    /// the captured block input of every cached position, `cached.len() × n_embd`
+    cached_block: Vec<f32>,
+    /// per session: positions whose block inputs an earlier reply already returned
+    block_given: HashMap<u64, usize>,
     /// adapter applied to the logits before sampling
     adapter: Option<(i64, Arc<Adapter>)>,
     /// adapter whose greedy choices are checked against greedy replies
@@ -524,6 +539,20 @@ impl Worker {
         llama::init_backend(cfg.verbose);
         let model = Model::load(&cfg.model, 0)?;
         let n_ctx = cfg.n_ctx.min(model.n_ctx_train().max(256) as u32);
+        let block_layer = match cfg.block_k {
+            None => None,
+            Some(k) => {
+                let idx = super::gguf::GgufIndex::open(&cfg.model)?;
+                let hp = super::blocks::Hparams::from_index(&idx)?;
+                if k == 0 || k >= hp.n_layer {
+                    return Err(Error::Invalid(format!(
+                        "block capture of the last {k} of {} blocks",
+                        hp.n_layer
+                    )));
+                }
+                Some(hp.n_layer - k - 1)
+            }
+        };
         let ctx = Context::new(
             &model,
             ContextParams {
@@ -531,7 +560,7 @@ impl Worker {
                 n_batch: cfg.n_batch,
                 n_threads: cfg.n_threads,
                 capture_hidden: cfg.capture_hidden,
-                capture_block: None,
+                capture_block: block_layer,
             },
         )?;
         let template = match (&cfg.template, model.chat_template()) {
@@ -578,6 +607,9 @@ impl Worker {
         }
         Ok(Worker {
             lora: None,
+            block_layer,
+            cached_block: Vec::new(),
+            block_given: HashMap::new(),
             assistant_opening,
             turn_end,
             act_type,
@@ -642,6 +674,7 @@ impl Worker {
                 }
                 Command::Close { session } => {
                     self.sessions.remove(&session);
+                    self.block_given.remove(&session);
                 }
                 Command::Restore {
                     session,
@@ -664,6 +697,7 @@ impl Worker {
                             .flat_map(|&t| self.model.piece(t, true))
                             .collect();
                         let rendered = String::from_utf8_lossy(&bytes).into_owned();
+                        self.block_given.remove(&session);
                         self.sessions.insert(
                             session,
                             Conversation {
@@ -729,8 +763,7 @@ impl Worker {
             }
         };
         self.ctx.set_lora(loaded.as_ref().map(|(_, l)| l))?;
-        self.ctx.truncate(0);
-        self.cached.clear();
+        self.truncate_cache(0);
         self.lora = loaded;
         Ok(())
     }
@@ -792,8 +825,7 @@ impl Worker {
         if keep == tokens.len() {
             keep = keep.saturating_sub(1); // we need the last row's logits again
         }
-        self.ctx.truncate(keep);
-        self.cached.truncate(keep);
+        self.truncate_cache(keep);
         let mut last = (Vec::new(), Vec::new());
         let nb = self.ctx.n_batch();
         let mut pos = keep;
@@ -814,10 +846,21 @@ impl Worker {
         Ok((last.0, last.1, tokens.len() - keep))
     }
 
+    /// Drops KV-cache entries (and their captured block inputs) from position `keep` on.
+    fn truncate_cache(&mut self, keep: usize) {
+        self.ctx.truncate(keep);
+        self.cached.truncate(keep);
+        self.cached_block.truncate(keep * self.n_embd);
+    }
+
     fn decode(&mut self, tokens: &[Token], start: usize, outputs: &[bool]) -> Result<Vec<f32>> {
         match self.ctx.decode(tokens, start, outputs) {
             Ok(h) => {
                 self.cached.extend_from_slice(tokens);
+                if self.block_layer.is_some() {
+                    let rows = self.ctx.take_block_rows();
+                    self.cached_block.extend_from_slice(&rows);
+                }
                 // store exactly what the output matmul multiplied with
                 let mut out = Vec::with_capacity(h.len());
                 for row in h.chunks_exact(self.n_embd) {
@@ -827,8 +870,7 @@ impl Worker {
             }
             Err(e) => {
                 // the cache state is unknown after a failed decode: start over next time
-                self.ctx.truncate(0);
-                self.cached.clear();
+                self.truncate_cache(0);
                 Err(e)
             }
         }
@@ -857,7 +899,25 @@ impl Worker {
         };
         let result = scored.and_then(|lp| self.sample_reply(conv, p, stream).map(|r| (r, lp)));
         match result {
-            Ok(((conv, reply), reference_logp)) => {
+            Ok(((conv, mut reply), reference_logp)) => {
+                if let Some(layer) = self.block_layer {
+                    // the cache holds exactly this session's decoded positions now
+                    let end = self.cached.len();
+                    let first = self
+                        .block_given
+                        .get(&session)
+                        .copied()
+                        .unwrap_or(0)
+                        .min(end);
+                    let n = self.n_embd;
+                    reply.block = Some(crate::store::BlockFeatures {
+                        layer,
+                        n_embd: n,
+                        first_pos: first,
+                        values: self.cached_block[first * n..end * n].to_vec(),
+                    });
+                    self.block_given.insert(session, end);
+                }
                 self.sessions.insert(session, conv);
                 Ok(Generation {
                     prompt,
@@ -990,6 +1050,7 @@ impl Worker {
             logp_full: lf,
             support,
             hidden,
+            block: None,
             stop,
             context_len,
             prefill_tokens,
@@ -1114,8 +1175,7 @@ impl Worker {
         } else {
             0
         };
-        self.ctx.truncate(keep);
-        self.cached.truncate(keep);
+        self.truncate_cache(keep);
         let mut by_row: HashMap<usize, (f32, Vec<f32>)> = HashMap::new();
         let nb = self.ctx.n_batch();
         let mut pos = keep;

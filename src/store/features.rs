@@ -35,6 +35,14 @@ impl Store {
                    AND (?2 = 0 OR s.learned_at IS NOT NULL))",
             params![older_than_days, only_learned],
         )?;
+        // block inputs follow the same rule
+        tx.execute(
+            "DELETE FROM block_features WHERE turn_id IN (
+                 SELECT t.id FROM turns t JOIN sessions s ON s.id = t.session_id
+                 WHERE julianday(s.created_at) <= julianday('now') - ?1
+                   AND (?2 = 0 OR s.learned_at IS NOT NULL))",
+            params![older_than_days, only_learned],
+        )?;
         tx.commit()?;
         Ok(n)
     }
@@ -46,6 +54,42 @@ impl Store {
     pub fn vacuum(&self) -> Result<()> {
         self.conn.execute_batch("VACUUM")?;
         Ok(())
+    }
+
+    /// The block inputs stored with a turn, if any.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] for a bad blob; SQLite errors.
+    pub fn block_features(&self, turn_id: i64) -> Result<Option<BlockFeatures>> {
+        let row: Option<(i64, i64, String, i64, Vec<u8>)> = self
+            .conn
+            .query_row(
+                "SELECT layer, n_embd, dtype, first_pos, activations FROM block_features
+                 WHERE turn_id = ?1",
+                [turn_id],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+            )
+            .optional()?;
+        let Some((layer, n_embd, dtype, first_pos, blob)) = row else {
+            return Ok(None);
+        };
+        let values = match dtype.as_str() {
+            "f16" => from_f16_blob(&blob)?,
+            "f32" => from_f32_blob(&blob)?,
+            other => return Err(Error::Corrupt(format!("block feature dtype {other}"))),
+        };
+        if n_embd <= 0 || values.len() % n_embd as usize != 0 {
+            return Err(Error::Corrupt(format!(
+                "block features of turn {turn_id}: {} values of width {n_embd}",
+                values.len()
+            )));
+        }
+        Ok(Some(BlockFeatures {
+            layer: layer as usize,
+            n_embd: n_embd as usize,
+            first_pos: first_pos as usize,
+            values,
+        }))
     }
 
     /// How much the log takes.
@@ -71,6 +115,8 @@ impl Store {
                 "SELECT SUM(t.n_tokens) FROM turns t JOIN features f ON f.turn_id = t.id",
             )?,
             feature_bytes: q("SELECT SUM(length(hidden)) FROM features")?,
+            block_positions: q("SELECT SUM(n_pos) FROM block_features")?,
+            block_bytes: q("SELECT SUM(length(activations)) FROM block_features")?,
             token_bytes: q(
                 "SELECT SUM(length(k.logp_behavior) + length(k.logp_full) + length(t.token_ids))
                  FROM tokens k JOIN turns t ON t.id = k.turn_id",

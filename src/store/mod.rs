@@ -61,6 +61,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0007_token_support.sql",
         include_str!("../../migrations/0007_token_support.sql"),
     ),
+    (
+        "0008_block_features.sql",
+        include_str!("../../migrations/0008_block_features.sql"),
+    ),
 ];
 
 /// A closed set of names stored as text: `as_str`, parsing, `Display`, SQLite and serde
@@ -359,6 +363,27 @@ impl Features {
     }
 }
 
+/// The input of the first adapted block (`l_out-{layer}`) at consecutive positions of a session,
+/// stored with the assistant turn whose generation covered them (f16).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockFeatures {
+    /// N of `l_out-N`
+    pub layer: usize,
+    /// width of one row
+    pub n_embd: usize,
+    /// the session position of the first row
+    pub first_pos: usize,
+    /// `n_pos × n_embd` values, row-major
+    pub values: Vec<f32>,
+}
+
+impl BlockFeatures {
+    /// Number of positions.
+    pub fn n_pos(&self) -> usize {
+        self.values.len() / self.n_embd.max(1)
+    }
+}
+
 /// A turn to append.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewTurn {
@@ -388,6 +413,8 @@ pub struct NewTurn {
     pub logprobs: Option<TokenLogprobs>,
     /// hidden states of the sampling positions
     pub hidden: Option<Features>,
+    /// block inputs of the positions this turn's generation covered (block-capture engines)
+    pub block: Option<BlockFeatures>,
 }
 
 impl NewTurn {
@@ -412,6 +439,7 @@ impl NewTurn {
             latency_ms: None,
             logprobs: None,
             hidden: None,
+            block: None,
         }
     }
 }
@@ -500,6 +528,10 @@ pub struct StorageStats {
     pub tokens_with_features: i64,
     /// bytes of feature blobs
     pub feature_bytes: i64,
+    /// positions with stored block inputs
+    pub block_positions: i64,
+    /// bytes of block-input blobs
+    pub block_bytes: i64,
     /// bytes of token ids and log-prob blobs
     pub token_bytes: i64,
     /// size of the database file(s)
@@ -745,7 +777,18 @@ mod tests {
     fn feedback_sets_outcome_and_gc_keeps_text() {
         let mut s = Store::in_memory().unwrap();
         let sid = s.create_session(&NewSession::new(Source::Chat)).unwrap();
-        let ids = s.append_turns(sid, &[assistant(vec![5], 0)]).unwrap();
+        let mut t = assistant(vec![5], 0);
+        t.block = Some(BlockFeatures {
+            layer: 27,
+            n_embd: 2,
+            first_pos: 0,
+            values: vec![0.5, -1.0],
+        });
+        let ids = s.append_turns(sid, &[t]).unwrap();
+        assert_eq!(
+            s.block_features(ids[0]).unwrap().unwrap().values,
+            vec![0.5, -1.0]
+        );
         s.add_feedback(sid, None, FeedbackKind::Outcome, Some(1.0), None)
             .unwrap();
         s.add_feedback(sid, Some(0), FeedbackKind::Thumb, Some(-1.0), Some("rude"))
@@ -757,6 +800,7 @@ mod tests {
         s.mark_learned(&[sid]).unwrap();
         assert_eq!(s.gc_features(0.0, true).unwrap(), 1);
         assert!(s.features(ids[0]).unwrap().is_none());
+        assert!(s.block_features(ids[0]).unwrap().is_none());
         assert!(s.token_logprobs(ids[0]).unwrap().is_some());
         assert_eq!(s.turns(sid).unwrap()[0].text, "ok");
     }

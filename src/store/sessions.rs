@@ -319,6 +319,20 @@ fn insert_turns(conn: &Connection, session_id: i64, turns: &[NewTurn]) -> Result
                 params![id, f.n_embd as i64, f.dtype.as_str(), f.encode()?],
             )?;
         }
+        if let Some(b) = &t.block {
+            conn.execute(
+                "INSERT INTO block_features (turn_id, layer, n_embd, dtype, first_pos, n_pos, activations)
+                 VALUES (?1, ?2, ?3, 'f16', ?4, ?5, ?6)",
+                params![
+                    id,
+                    b.layer as i64,
+                    b.n_embd as i64,
+                    b.first_pos as i64,
+                    b.n_pos() as i64,
+                    f16_blob(&b.values)
+                ],
+            )?;
+        }
         ids.push(id);
     }
     Ok(ids)
