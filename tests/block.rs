@@ -22,6 +22,21 @@ fn spec(k: usize) -> BlockSpec {
     }
 }
 
+/// A context on `model` capturing `l_out-{layer}` (and `result_norm` with `hidden`).
+fn capture_context(model: &Model, layer: usize, hidden: bool) -> Context {
+    Context::new(
+        model,
+        ContextParams {
+            n_ctx: 2048,
+            n_batch: 512,
+            n_threads: 2,
+            capture_hidden: hidden,
+            capture_block: Some(layer),
+        },
+    )
+    .unwrap()
+}
+
 fn captured(model: &Model, ctx: &mut Context, n_new: usize) -> Vec<Captured> {
     [
         "Hi, my order 48213 has not arrived. Can you help?",
@@ -54,17 +69,7 @@ fn a_gguf_block_lora_changes_llama_cpp_logits_as_the_graph_predicts() {
     let tail = TailModel::from_gguf(&path, 2).unwrap();
     assert_eq!(tail.input_layer(), 27, "SmolLM2-135M has 30 blocks");
     let hp = tail.hp.clone();
-    let mut ctx = Context::new(
-        &model,
-        ContextParams {
-            n_ctx: 512,
-            n_batch: 512,
-            n_threads: 2,
-            capture_hidden: false,
-            capture_block: Some(tail.input_layer()),
-        },
-    )
-    .unwrap();
+    let mut ctx = capture_context(&model, tail.input_layer(), false);
     let caps = captured(&model, &mut ctx, 12);
     assert_eq!(caps[0].x.ncols(), 576);
     for c in &caps {
@@ -174,17 +179,7 @@ fn block_step_gradients_match_finite_differences_on_the_real_model() {
     let path = model_path();
     let model = Model::load(&path, 0).unwrap();
     let tail = TailModel::from_gguf(&path, 1).unwrap();
-    let mut ctx = Context::new(
-        &model,
-        ContextParams {
-            n_ctx: 512,
-            n_batch: 512,
-            n_threads: 2,
-            capture_hidden: false,
-            capture_block: Some(tail.input_layer()),
-        },
-    )
-    .unwrap();
+    let mut ctx = capture_context(&model, tail.input_layer(), false);
     let c = &captured(&model, &mut ctx, 4)[0];
     let sp = BlockSpec {
         k: 1,
@@ -405,17 +400,7 @@ fn the_engine_logs_block_inputs_for_every_position_of_a_session() {
     turnwise::graph::runtime::init(true).unwrap();
     llama::init_backend(false);
     let model = Model::load(&path, 0).unwrap();
-    let mut ctx = Context::new(
-        &model,
-        ContextParams {
-            n_ctx: 2048,
-            n_batch: 512,
-            n_threads: 2,
-            capture_hidden: true,
-            capture_block: Some(27),
-        },
-    )
-    .unwrap();
+    let mut ctx = capture_context(&model, 27, true);
     let prompt = engine.session_tokens(7).unwrap();
     let n = g1.reply.context_len;
     let mut outs = vec![false; n];
@@ -462,4 +447,162 @@ fn the_engine_logs_block_inputs_for_every_position_of_a_session() {
     assert_eq!(stats.block_positions as usize, b1.n_pos());
     assert_eq!(stats.block_bytes as usize, b1.n_pos() * 1152);
     engine.close(7);
+}
+
+/// Sessions logged by an engine with block capture train a block LoRA offline
+/// (`turnwise train --algo sft --block-k 2`): every position is assembled from the turns' block
+/// inputs, the loss falls, and the candidate activates (llama.cpp loads it). RL updates of a
+/// block LoRA are refused with a message.
+#[test]
+fn logged_sessions_train_a_block_lora_offline() {
+    use turnwise::learn::block::logged_sessions;
+    use turnwise::policy::{Message, Role, SamplerParams};
+    use turnwise::session::{Feedback, Recorder};
+    use turnwise::store::{NewSession, Source, Store};
+    use turnwise::{Engine, EngineConfig};
+
+    let path = model_path();
+    let mut cfg = EngineConfig::new(path);
+    cfg.block_k = Some(2);
+    let engine = Engine::start(cfg).unwrap();
+    let dir = tempdir();
+    let db = dir.path().join("s.db");
+    let mut store = Store::open(&db).unwrap();
+    let greedy = SamplerParams {
+        temperature: 0.0,
+        max_tokens: 12,
+        ..Default::default()
+    };
+    let asks = [
+        "Where is my order 48213?",
+        "Please refund order 77120.",
+        "What is the status of 31995?",
+    ];
+    for (i, m) in asks.iter().enumerate() {
+        let key = 100 + i as u64;
+        let rec = Recorder::open(&store, &NewSession::new(Source::Chat)).unwrap();
+        let g = engine
+            .generate(
+                key,
+                vec![
+                    Message::new(Role::System, "You are a customer-service agent."),
+                    Message::new(Role::User, *m),
+                ],
+                greedy.clone(),
+                None,
+            )
+            .unwrap();
+        rec.generation(&mut store, &g, &greedy, engine.info())
+            .unwrap();
+        let g = engine
+            .generate(
+                key,
+                vec![Message::new(Role::User, "Thanks. Anything else?")],
+                greedy.clone(),
+                None,
+            )
+            .unwrap();
+        rec.generation(&mut store, &g, &greedy, engine.info())
+            .unwrap();
+        rec.feedback(
+            &mut store,
+            &Feedback::Outcome {
+                value: 1.0,
+                note: None,
+            },
+        )
+        .unwrap();
+        rec.end(&store).unwrap();
+        engine.close(key);
+    }
+    let ids: Vec<i64> = store
+        .training_sessions(None, None, true, 10)
+        .unwrap()
+        .iter()
+        .map(|s| s.id)
+        .collect();
+    let (data, skipped) = logged_sessions(&store, &ids, 27, 576).unwrap();
+    assert_eq!((data.len(), skipped), (3, 0));
+    for c in &data {
+        assert_eq!(c.x.nrows() + 1, c.tokens.len());
+        assert_eq!(c.scored.last().copied(), Some(c.x.nrows() - 1));
+    }
+    // another layer was not logged: skipped, not misread
+    assert_eq!(logged_sessions(&store, &ids, 25, 576).unwrap().1, 3);
+    drop(store);
+
+    let o = crate::common::turnwise(&db)
+        .args(["train", "--algo", "sft", "--block-k", "2", "--epochs", "4"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", crate::common::show(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let id: i64 = out
+        .split("candidate adapter ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("no id in {out}"));
+    let losses: Vec<f32> = out
+        .rsplit("loss ")
+        .next()
+        .unwrap()
+        .split(" -> ")
+        .map(|x| x.trim().parse().unwrap())
+        .collect();
+    assert!(losses[1] < losses[0], "{out}");
+    let o = crate::common::turnwise(&db)
+        .args(["adapters", "activate", &id.to_string()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", crate::common::show(&o));
+    let o = crate::common::turnwise(&db)
+        .args(["train", "--algo", "grpo", "--block-k", "2"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("supervised"),
+        "{}",
+        crate::common::show(&o)
+    );
+}
+
+/// `turnwise demo --quick --block-warm 2`: the warm start gains a block LoRA on the
+/// demonstrations, it is served for the evaluations, and RL candidates keep it.
+#[test]
+fn the_demo_block_warm_start_serves_and_keeps_the_block_lora() {
+    let dir = tempdir();
+    let out = dir.path().join("run");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_turnwise"))
+        .env("TURNWISE_MODEL", model_path())
+        .args(["demo", "--quick", "--block-warm", "2", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", crate::common::show(&o));
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
+    assert_eq!(r["config"]["block_warm"], 2);
+    let warm = r["warm_adapter"].as_i64().unwrap();
+    let db = out.join("turnwise.db");
+    let a = turnwise::adapter::Adapter::load(&turnwise::adapter::adapter_dir(&db, warm)).unwrap();
+    let b = a.block.expect("the warm start holds a block LoRA");
+    assert_eq!((b.spec.k, b.layers.clone()), (2, vec![28, 29]));
+    assert!(
+        b.factors.b.iter().any(|m| m.iter().any(|&x| x != 0.0)),
+        "untrained"
+    );
+    let store = turnwise::store::Store::open(&db).unwrap();
+    for rec in store.adapters().unwrap() {
+        if rec.id > warm {
+            let later = turnwise::adapter::Adapter::load(std::path::Path::new(&rec.path)).unwrap();
+            assert_eq!(
+                later.block.as_ref(),
+                Some(&b),
+                "adapter {} lost the block LoRA",
+                rec.id
+            );
+        }
+    }
 }

@@ -90,6 +90,10 @@ pub struct DemoArgs {
     /// given)
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     id_slot: OnOff,
+    /// Block warm start: also train a LoRA on q,v of the last K blocks on the demonstrations
+    /// (served by llama.cpp; RL then trains the output LoRA on top of it)
+    #[arg(long, value_name = "K")]
+    block_warm: Option<usize>,
     /// Validation gate: activate a candidate only if its greedy success on N fresh
     /// validation-template scenarios (phrasings that neither the rollouts nor the held-out set
     /// use) is at least the active adapter's on the same ones (default 32, --quick 0; 0: the KL
@@ -233,6 +237,7 @@ impl DemoArgs {
         c.rl.dr_grpo = self.dr_grpo == OnOff::On;
         c.greedy_digits = self.greedy_digits == OnOff::On;
         c.id_slot = self.id_slot == OnOff::On;
+        c.block_warm = self.block_warm;
         c.stratify = self.stratify == OnOff::On;
         c.paraphrase = self.paraphrase == OnOff::On;
         c.restate = self.restate == OnOff::On;

@@ -161,6 +161,13 @@ pub struct TrainArgs {
     /// The gate's bound on |approx KL| of the candidate to its parent
     #[arg(long, default_value_t = 0.05)]
     gate_kl: f64,
+    /// Train a block LoRA on the last K blocks instead (supervised only: `--algo sft`), from
+    /// sessions logged with `--block-capture K`
+    #[arg(long, value_name = "K")]
+    block_k: Option<usize>,
+    /// With --block-k: adapted projections, from q,k,v,o,gate,up,down
+    #[arg(long, default_value = "q,v", requires = "block_k")]
+    block_targets: String,
 }
 
 /// Options of `turnwise annotate`.
@@ -327,6 +334,156 @@ enum AdaptersCmd {
     },
 }
 
+/// Supervised training of a block LoRA on logged sessions: teacher-forced cross-entropy on every
+/// assistant token, from the block inputs logged with `--block-capture K`. The candidate keeps
+/// its parent's output LoRA and value head.
+fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
+    use turnwise::adapter::block::BlockLora;
+    use turnwise::graph::block::{BlockGraphKind, BlockSpec, OrtBlock};
+    use turnwise::graph::step::StepKind;
+    use turnwise::learn::block::{logged_sessions, train_sft, SftConfig};
+    use turnwise::policy::blocks::{target_tensor, TailModel};
+
+    let k = args.block_k.unwrap_or(2);
+    if args.algo != Algo::Sft {
+        anyhow::bail!(
+            "--block-k trains a block LoRA with supervised updates only (--algo sft); RL updates \
+             of a block LoRA are not implemented yet"
+        );
+    }
+    let targets: Vec<String> = args
+        .block_targets
+        .split(',')
+        .map(|t| t.trim().to_string())
+        .collect();
+    if let Some(t) = targets.iter().find(|t| target_tensor(t).is_none()) {
+        anyhow::bail!("unknown block target {t:?} (q, k, v, o, gate, up, down)");
+    }
+    let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
+    let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
+    let tail = TailModel::from_gguf(&model, k)?;
+    let layer = tail.input_layer();
+    let sessions = store.training_sessions(
+        parse_source(args.sel.source.as_deref())?,
+        args.sel.since.as_deref(),
+        args.min_outcome.is_some(),
+        args.sel.limit,
+    )?;
+    let ids: Vec<i64> = sessions
+        .iter()
+        .filter(|s| {
+            args.min_outcome
+                .is_none_or(|m| s.outcome_reward.is_some_and(|o| o >= m))
+        })
+        .map(|s| s.id)
+        .collect();
+    let (data, skipped) = logged_sessions(&store, &ids, layer, tail.hp.n_embd)?;
+    if data.is_empty() {
+        anyhow::bail!(
+            "none of the {} selected sessions has block inputs of l_out-{layer} for every \
+             position ({skipped} skipped): log them with `--block-capture {k}`",
+            ids.len()
+        );
+    }
+    let head = OutputHead::from_gguf(&model)?;
+    let parent = if args.fresh {
+        None
+    } else {
+        active_adapter(&store)?
+    };
+    let mut adapter = match &parent {
+        Some((_, a)) => a.as_ref().clone(),
+        None => Adapter::fresh(
+            head.n_embd(),
+            head.n_vocab(),
+            args.rank,
+            2.0 * args.rank as f32,
+            0,
+            "",
+        ),
+    };
+    let spec = BlockSpec {
+        k,
+        targets,
+        r: args.rank,
+        alpha: 2.0 * args.rank as f32,
+    };
+    let mut lora = match adapter.block.take() {
+        Some(b) if b.spec == spec => b,
+        _ => BlockLora::fresh(&tail.hp, spec.clone(), 1),
+    };
+    let batch = 4usize;
+    let epochs = args.epochs.unwrap_or(20);
+    let steps = epochs * data.len().div_ceil(batch);
+    let mut g = OrtBlock::new(
+        tail,
+        spec.clone(),
+        BlockGraphKind::Step(StepKind::CrossEntropy { digit_class: false }),
+        true,
+        args.device,
+        args.train_threads,
+    )?;
+    let pb = ProgressBar::new(steps as u64);
+    pb.set_style(
+        ProgressStyle::with_template("block SFT {bar:30} {pos}/{len} steps, loss {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let losses = train_sft(
+        &mut g,
+        &data,
+        &mut lora,
+        SftConfig {
+            steps,
+            batch,
+            lr: args.lr.unwrap_or(2e-3),
+            seed: 1,
+        },
+        |_, loss| {
+            pb.set_message(format!("{loss:.4}"));
+            pb.inc(1);
+        },
+    )?;
+    pb.finish_and_clear();
+    adapter.block = Some(lora);
+    let metrics = serde_json::json!({
+        "algo": "sft-block",
+        "block": {"k": k, "targets": spec.targets, "r": spec.r, "alpha": spec.alpha},
+        "sessions": data.len(),
+        "skipped": skipped,
+        "steps": steps,
+        "first_loss": losses.first(),
+        "final_loss": losses.last(),
+    });
+    let vid = parent.as_ref().map(|(id, _)| *id);
+    let id = save_candidate(&mut store, db, vid, &adapter, &metrics)?;
+    store.record_update(
+        Some(id),
+        "sft-block",
+        &serde_json::json!({"k": k, "steps": steps}),
+        &metrics,
+        turnwise::store::UpdateStatus::Ok,
+    )?;
+    println!(
+        "candidate adapter {id}: block LoRA {} on the last {k} blocks, {} sessions ({skipped} skipped), {steps} steps, loss {:.4} -> {:.4}",
+        spec.targets.join(","),
+        data.len(),
+        losses.first().copied().unwrap_or(f32::NAN),
+        losses.last().copied().unwrap_or(f32::NAN)
+    );
+    if args.activate {
+        if !args.force {
+            eprintln!(
+                "adapter {id} stays a candidate: the gate's KL and value checks do not cover block \
+                 LoRA yet; activate it with --force or `turnwise adapters activate {id}`"
+            );
+            return Ok(ExitCode::from(3));
+        }
+        activate_checked(&mut store, id, &head, &model)?;
+        println!("adapter {id} is active");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Loads `block` into llama.cpp for `model` (its own loader checks architecture and shapes).
 fn check_block_loads(
     model: &Path,
@@ -389,7 +546,19 @@ fn import_block(store: &mut Store, db: &Path, path: &Path, model: &Path) -> anyh
         },
     });
     adapter.block = Some(block);
-    let id = store.register_adapter(None, |id| {
+    save_candidate(store, db, None, &adapter, &summary)
+}
+
+/// Registers a new adapter version, writes it atomically and marks it a candidate (rejected,
+/// with the error, when the write fails).
+fn save_candidate(
+    store: &mut Store,
+    db: &Path,
+    parent: Option<i64>,
+    adapter: &Adapter,
+    metrics: &serde_json::Value,
+) -> anyhow::Result<i64> {
+    let id = store.register_adapter(parent, |id| {
         turnwise::adapter::adapter_dir(db, id)
             .to_string_lossy()
             .into_owned()
@@ -402,7 +571,7 @@ fn import_block(store: &mut Store, db: &Path, path: &Path, model: &Path) -> anyh
         )?;
         return Err(e.into());
     }
-    store.set_adapter_status(id, turnwise::AdapterStatus::Candidate, Some(&summary))?;
+    store.set_adapter_status(id, turnwise::AdapterStatus::Candidate, Some(metrics))?;
     Ok(id)
 }
 
@@ -488,6 +657,9 @@ pub fn active_adapter(store: &Store) -> anyhow::Result<Option<(i64, Arc<Adapter>
 /// # Errors
 /// Selection, store and numerical errors (a rejected update leaves the active adapter as it was).
 pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
+    if args.block_k.is_some() {
+        return run_block_sft(args, db);
+    }
     let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
     let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
     let head = OutputHead::from_gguf(&model)?;

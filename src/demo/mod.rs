@@ -142,6 +142,11 @@ pub struct DemoConfig {
     /// ([`Engine::set_shadow`]) and replays with the active adapter only the scenarios where its
     /// greedy choice differed somewhere (off: the active adapter plays every scenario itself)
     pub shadow_gate: bool,
+    /// block warm start: after the output-LoRA warm start, a LoRA on q,v (r = 8) of the last
+    /// `k` blocks is trained on the same demonstrations (teacher-forced, block inputs captured
+    /// with llama.cpp) and served by llama.cpp from then on; RL updates keep it and train the
+    /// output LoRA on top
+    pub block_warm: Option<usize>,
     /// llama.cpp engines that play sessions side by side (each with its own context and
     /// `threads / engines` threads): on two cores two one-thread engines decode about 1.4× the
     /// tokens per second of one two-thread engine (`turnwise bench --threads 1` twice at once)
@@ -199,6 +204,7 @@ impl DemoConfig {
             experience: false,
             val_scenarios: 32,
             shadow_gate: true,
+            block_warm: None,
             engines: 2,
         }
     }
@@ -1154,10 +1160,119 @@ impl<'a> Demo<'a> {
         let id = r
             .adapter_id
             .ok_or_else(|| Error::Invalid("the warm start wrote no adapter".into()))?;
+        let id = match self.cfg.block_warm {
+            Some(k) => self.block_warm_start(id, k, progress)?,
+            None => id,
+        };
         self.activate(id)?;
         self.result.warm_adapter = Some(id);
         progress(Progress::Done("warm start"));
         self.phase("warm start", t);
+        Ok(id)
+    }
+
+    /// Trains a block LoRA (q,v, r = 8, last `k` blocks) on the imported demonstrations and
+    /// writes it, with the output-LoRA warm start `parent`'s other parts, as a new version.
+    fn block_warm_start(
+        &mut self,
+        parent: i64,
+        k: usize,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<i64> {
+        use crate::adapter::block::BlockLora;
+        use crate::graph::block::{BlockGraphKind, BlockSpec, OrtBlock};
+        use crate::graph::step::StepKind;
+        use crate::learn::block::{assistant_positions, capture_sequence, train_sft, Captured};
+        use crate::policy::blocks::TailModel;
+        use crate::policy::llama::{Context, ContextParams, Model};
+
+        let t = Instant::now();
+        let path = self.engines[0].info().path.clone();
+        let tail = TailModel::from_gguf(&path, k)?;
+        let n_embd = tail.hp.n_embd;
+        let model = Model::load(&path, 0)?;
+        let mut ctx = Context::new(
+            &model,
+            ContextParams {
+                n_ctx: 2048,
+                n_batch: 512,
+                n_threads: self.cfg.warm.threads as i32,
+                capture_hidden: false,
+                capture_block: Some(tail.input_layer()),
+            },
+        )?;
+        let sessions =
+            self.store
+                .training_sessions(Some(Source::Import), None, false, self.cfg.demos)?;
+        let mut data = Vec::new();
+        for s in &sessions {
+            if let Some((tokens, scored)) = assistant_positions(&self.store, s.id)? {
+                let x = capture_sequence(&mut ctx, &tokens, n_embd)?;
+                let scored = scored.into_iter().filter(|&p| p < x.nrows()).collect();
+                data.push(Captured {
+                    tokens,
+                    x,
+                    scored,
+                    logits: ndarray::Array2::zeros((0, 0)),
+                    hidden: Vec::new(),
+                });
+            }
+        }
+        drop(ctx);
+        let spec = BlockSpec {
+            k,
+            targets: vec!["q".into(), "v".into()],
+            r: 8,
+            alpha: 16.0,
+        };
+        let mut lora = BlockLora::fresh(&tail.hp, spec.clone(), self.cfg.seed);
+        let batch = 4;
+        let steps = (self.cfg.warm.epochs * data.len().div_ceil(batch)).min(150);
+        progress(Progress::Phase("block warm start", steps));
+        let mut g = OrtBlock::new(
+            tail,
+            spec,
+            BlockGraphKind::Step(StepKind::CrossEntropy { digit_class: false }),
+            true,
+            crate::graph::Device::Cpu,
+            self.cfg.warm.threads,
+        )?;
+        let losses = train_sft(
+            &mut g,
+            &data,
+            &mut lora,
+            crate::learn::block::SftConfig {
+                steps,
+                batch,
+                lr: 2e-3,
+                seed: self.cfg.seed,
+            },
+            |_, _| progress(Progress::Tick("block warm start")),
+        )?;
+        let rec = self.store.adapter(parent)?;
+        let mut adapter = Adapter::load(Path::new(&rec.path))?;
+        adapter.block = Some(lora);
+        let id = self.store.register_adapter(Some(parent), |id| {
+            crate::adapter::adapter_dir(&self.db, id)
+                .to_string_lossy()
+                .into_owned()
+        })?;
+        adapter.save(&crate::adapter::adapter_dir(&self.db, id))?;
+        let metrics = serde_json::json!({
+            "algo": "sft-block",
+            "block": {"k": k, "targets": ["q", "v"], "r": 8},
+            "sessions": data.len(),
+            "steps": steps,
+            "first_loss": losses.first(),
+            "final_loss": losses.last(),
+        });
+        self.store.set_adapter_status(
+            id,
+            crate::store::AdapterStatus::Candidate,
+            Some(&metrics),
+        )?;
+        progress(Progress::Done("block warm start"));
+        self.phase("block warm start", t);
         Ok(id)
     }
 

@@ -111,17 +111,10 @@ impl Builder<'_> {
         let wv = g.constant(name, &[d], w);
         let eps = f64::from(self.tail.hp.rms_eps);
         if self.emulate {
-            return g.rms_norm_ggml(x, wv, d, eps);
+            g.rms_norm_ggml(x, wv, d, eps)
+        } else {
+            g.rms_norm(x, wv, d, eps)
         }
-        let sq = g.mul(x, x);
-        let s = g.reduce_sum_last(sq);
-        let inv_d = g.scalar(1.0 / d as f64);
-        let m = g.mul(s, inv_d);
-        let eps = g.scalar(eps);
-        let m = g.add(m, eps);
-        let r = g.sqrt(m);
-        let y = g.div_bc(x, r, &[-1]);
-        g.mul(y, wv)
     }
 
     /// `W·x` (+ the LoRA term of `target` in block slot `bi` when adapted).

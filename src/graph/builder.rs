@@ -472,11 +472,8 @@ impl Graph {
         (xq, s)
     }
 
-    /// ggml's CPU RMSNorm of the rows of `x` (`[N, D]`) times `w` (`[D]`, constant), computed
-    /// as ggml does (squares summed in f64, `scale = 1/√(mean + eps)` in f32, `x · scale · w`),
-    /// with the gradient of the plain f32 formula.
-    pub fn rms_norm_ggml(&mut self, x: V, w: V, d: usize, eps: f64) -> V {
-        // differentiable path
+    /// RMSNorm of the rows of `x` (`[N, D]`) times `w` (`[D]`, constant): `x / √(mean(x²) + eps) · w`.
+    pub fn rms_norm(&mut self, x: V, w: V, d: usize, eps: f64) -> V {
         let sq = self.mul(x, x);
         let s = self.reduce_sum_last(sq);
         let inv_d = self.scalar(1.0 / d as f64);
@@ -485,7 +482,15 @@ impl Graph {
         let m = self.add(m, e);
         let r = self.sqrt(m);
         let y = self.div_bc(x, r, &[-1]);
-        let y = self.mul(y, w);
+        self.mul(y, w)
+    }
+
+    /// ggml's CPU RMSNorm of the rows of `x` (`[N, D]`) times `w` (`[D]`, constant), computed
+    /// as ggml does (squares summed in f64, `scale = 1/√(mean + eps)` in f32, `x · scale · w`),
+    /// with the gradient of the plain f32 formula.
+    pub fn rms_norm_ggml(&mut self, x: V, w: V, d: usize, eps: f64) -> V {
+        let y = self.rms_norm(x, w, d, eps);
+        let e = self.scalar(eps);
         // ggml's arithmetic
         let sqr = self.raw("Mul", &[x, x], 2, vec![]);
         let sq64 = self.raw("Cast", &[sqr], 2, vec![attr_int("to", 11)]);

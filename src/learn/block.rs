@@ -110,6 +110,30 @@ pub fn generate_captured(
     })
 }
 
+/// Captures the block inputs of positions `0 .. tokens.len() − 1` of a known sequence (the last
+/// token is only a target) in prefill batches. The KV cache is cleared first.
+///
+/// # Errors
+/// [`Error::Llama`] on decode failures; [`Error::Invalid`] for fewer than two tokens.
+pub fn capture_sequence(ctx: &mut Context, tokens: &[Token], n_embd: usize) -> Result<Array2<f32>> {
+    if tokens.len() < 2 {
+        return Err(Error::Invalid("a sequence of fewer than two tokens".into()));
+    }
+    ctx.truncate(0);
+    let nb = ctx.n_batch();
+    let n = tokens.len() - 1;
+    let mut xs = Vec::new();
+    let mut start = 0;
+    while start < n {
+        let end = (start + nb).min(n);
+        ctx.decode(&tokens[start..end], start, &vec![false; end - start])?;
+        xs.push(rows_of(ctx, end - start, n_embd)?);
+        start = end;
+    }
+    let views: Vec<_> = xs.iter().map(|a| a.view()).collect();
+    ndarray::concatenate(Axis(0), &views).map_err(|e| Error::Llama(e.to_string()))
+}
+
 /// Captures the block inputs of a whole known sequence (prompt + reply) in prefill batches,
 /// scoring the positions from `prompt_len − 1` on (each predicts the next reply token).
 ///
@@ -127,26 +151,39 @@ pub fn teacher_forced(
             tokens.len()
         )));
     }
-    ctx.truncate(0);
-    let nb = ctx.n_batch();
-    let n = tokens.len() - 1; // the last token is only a target
-    let mut xs = Vec::new();
-    let mut start = 0;
-    while start < n {
-        let end = (start + nb).min(n);
-        ctx.decode(&tokens[start..end], start, &vec![false; end - start])?;
-        xs.push(rows_of(ctx, end - start, n_embd)?);
-        start = end;
-    }
-    let views: Vec<_> = xs.iter().map(|a| a.view()).collect();
-    let x = ndarray::concatenate(Axis(0), &views).map_err(|e| Error::Llama(e.to_string()))?;
+    let x = capture_sequence(ctx, tokens, n_embd)?;
     Ok(Captured {
         tokens: tokens.to_vec(),
+        scored: (prompt_len - 1..x.nrows()).collect(),
         x,
-        scored: (prompt_len - 1..n).collect(),
         logits: Array2::zeros((0, 0)),
         hidden: Vec::new(),
     })
+}
+
+/// The assistant turns of logged sessions as training sequences: the session's tokens and the
+/// positions that produced each assistant token (block inputs not yet captured: `x` is empty).
+///
+/// # Errors
+/// Store errors.
+pub fn assistant_positions(
+    store: &crate::store::Store,
+    id: i64,
+) -> Result<Option<(Vec<Token>, Vec<usize>)>> {
+    use crate::policy::Role;
+    let mut tokens: Vec<Token> = Vec::new();
+    let mut scored = Vec::new();
+    for t in store.turns(id)? {
+        if t.context_len != tokens.len() {
+            return Ok(None);
+        }
+        if t.role == Role::Assistant {
+            let c = t.context_len;
+            scored.extend((0..t.token_ids.len()).filter_map(|i| (c + i).checked_sub(1)));
+        }
+        tokens.extend_from_slice(&t.token_ids);
+    }
+    Ok((!scored.is_empty() && tokens.len() >= 2).then_some((tokens, scored)))
 }
 
 /// How closely the graph reproduces llama.cpp's logits.
@@ -332,4 +369,70 @@ pub fn replay_logits(ctx: &mut Context, c: &Captured) -> Result<Array2<f32>> {
     let v = rows[0].len();
     Array2::from_shape_vec((rows.len(), v), rows.into_iter().flatten().collect())
         .map_err(|e| Error::Llama(e.to_string()))
+}
+
+/// Assembles logged sessions for block-LoRA training: every position's block input from the
+/// `block_features` of the session's assistant turns (a later chunk wins where two overlap, as
+/// after a restored session), the session's tokens, and as scored rows the positions that
+/// produced each assistant token. Sessions logged without block capture of `layer`, or whose
+/// positions are not all covered, are skipped; returns the sessions and how many were skipped.
+///
+/// # Errors
+/// Store errors.
+pub fn logged_sessions(
+    store: &crate::store::Store,
+    ids: &[i64],
+    layer: usize,
+    n_embd: usize,
+) -> Result<(Vec<Captured>, usize)> {
+    use crate::policy::Role;
+    let mut out = Vec::new();
+    let mut skipped = 0;
+    for &id in ids {
+        let Some((tokens, mut scored)) = assistant_positions(store, id)? else {
+            skipped += 1;
+            continue;
+        };
+        let mut chunks = Vec::new();
+        let mut foreign = false;
+        for t in store.turns(id)? {
+            if t.role == Role::Assistant {
+                if let Some(b) = store.block_features(t.id)? {
+                    foreign |= b.layer != layer || b.n_embd != n_embd;
+                    chunks.push(b);
+                }
+            }
+        }
+        if foreign {
+            skipped += 1;
+            continue;
+        }
+        let end = chunks
+            .iter()
+            .map(|b| b.first_pos + b.n_pos())
+            .max()
+            .unwrap_or(0);
+        let mut x = Array2::<f32>::zeros((end, n_embd));
+        let mut covered = vec![false; end];
+        for b in &chunks {
+            for (i, row) in b.values.chunks_exact(n_embd).enumerate() {
+                let p = b.first_pos + i;
+                x.row_mut(p).iter_mut().zip(row).for_each(|(d, &v)| *d = v);
+                covered[p] = true;
+            }
+        }
+        scored.retain(|&p| p < end);
+        if end == 0 || scored.is_empty() || covered.iter().any(|&c| !c) {
+            skipped += 1;
+            continue;
+        }
+        out.push(Captured {
+            tokens,
+            x,
+            scored,
+            logits: Array2::zeros((0, 0)),
+            hidden: Vec::new(),
+        });
+    }
+    Ok((out, skipped))
 }
