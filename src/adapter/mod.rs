@@ -203,33 +203,7 @@ impl Adapter {
         ));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        let (a, b) = (f32_bytes(self.a.iter()), f32_bytes(self.b.iter()));
-        let (vw, vb) = (
-            f32_bytes(self.value_w.iter()),
-            f32_bytes([self.value_b].iter()),
-        );
-        let (r, d, v) = (self.config.r, self.n_embd(), self.n_vocab());
-        let err = |e: safetensors::SafeTensorError| Error::Invalid(format!("safetensors: {e}"));
-        let tensors = vec![
-            (
-                LORA_A,
-                TensorView::new(Dtype::F32, vec![r, d], &a).map_err(err)?,
-            ),
-            (
-                LORA_B,
-                TensorView::new(Dtype::F32, vec![v, r], &b).map_err(err)?,
-            ),
-            (
-                VALUE_W,
-                TensorView::new(Dtype::F32, vec![1, d], &vw).map_err(err)?,
-            ),
-            (
-                VALUE_B,
-                TensorView::new(Dtype::F32, vec![1], &vb).map_err(err)?,
-            ),
-        ];
-        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-        let blob = safetensors::serialize(tensors, Some(meta)).map_err(err)?;
+        let blob = self.safetensors_blob(true)?;
         write_synced(&tmp.join(WEIGHTS_FILE), &blob)?;
         write_synced(
             &tmp.join(CONFIG_FILE),
@@ -254,10 +228,22 @@ impl Adapter {
     /// # Errors
     /// [`Error::Invalid`] when safetensors refuses a tensor.
     pub fn to_peft(&self) -> Result<(Vec<u8>, String)> {
+        Ok((
+            self.safetensors_blob(false)?,
+            serde_json::to_string_pretty(&self.config)?,
+        ))
+    }
+
+    /// The LoRA tensors in PEFT names (and the value head with `with_value`) as safetensors.
+    fn safetensors_blob(&self, with_value: bool) -> Result<Vec<u8>> {
         let (a, b) = (f32_bytes(self.a.iter()), f32_bytes(self.b.iter()));
+        let (vw, vb) = (
+            f32_bytes(self.value_w.iter()),
+            f32_bytes([self.value_b].iter()),
+        );
         let (r, d, v) = (self.config.r, self.n_embd(), self.n_vocab());
         let err = |e: safetensors::SafeTensorError| Error::Invalid(format!("safetensors: {e}"));
-        let tensors = vec![
+        let mut tensors = vec![
             (
                 LORA_A,
                 TensorView::new(Dtype::F32, vec![r, d], &a).map_err(err)?,
@@ -267,9 +253,18 @@ impl Adapter {
                 TensorView::new(Dtype::F32, vec![v, r], &b).map_err(err)?,
             ),
         ];
+        if with_value {
+            tensors.push((
+                VALUE_W,
+                TensorView::new(Dtype::F32, vec![1, d], &vw).map_err(err)?,
+            ));
+            tensors.push((
+                VALUE_B,
+                TensorView::new(Dtype::F32, vec![1], &vb).map_err(err)?,
+            ));
+        }
         let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-        let blob = safetensors::serialize(tensors, Some(meta)).map_err(err)?;
-        Ok((blob, serde_json::to_string_pretty(&self.config)?))
+        safetensors::serialize(tensors, Some(meta)).map_err(err)
     }
 
     /// Reads an adapter directory.

@@ -28,21 +28,22 @@ impl Store {
     /// SQLite errors.
     pub fn gc_features(&mut self, older_than_days: f64, only_learned: bool) -> Result<usize> {
         let tx = self.write()?;
-        let n = tx.execute(
-            "DELETE FROM features WHERE turn_id IN (
-                 SELECT t.id FROM turns t JOIN sessions s ON s.id = t.session_id
-                 WHERE julianday(s.created_at) <= julianday('now') - ?1
-                   AND (?2 = 0 OR s.learned_at IS NOT NULL))",
-            params![older_than_days, only_learned],
-        )?;
-        // block inputs follow the same rule
-        tx.execute(
-            "DELETE FROM block_features WHERE turn_id IN (
-                 SELECT t.id FROM turns t JOIN sessions s ON s.id = t.session_id
-                 WHERE julianday(s.created_at) <= julianday('now') - ?1
-                   AND (?2 = 0 OR s.learned_at IS NOT NULL))",
-            params![older_than_days, only_learned],
-        )?;
+        // block inputs follow the same rule as the features; the count is of feature rows
+        let mut n = 0;
+        for table in ["features", "block_features"] {
+            let dropped = tx.execute(
+                &format!(
+                    "DELETE FROM {table} WHERE turn_id IN (
+                         SELECT t.id FROM turns t JOIN sessions s ON s.id = t.session_id
+                         WHERE julianday(s.created_at) <= julianday('now') - ?1
+                           AND (?2 = 0 OR s.learned_at IS NOT NULL))"
+                ),
+                params![older_than_days, only_learned],
+            )?;
+            if table == "features" {
+                n = dropped;
+            }
+        }
         tx.commit()?;
         Ok(n)
     }
