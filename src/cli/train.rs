@@ -161,8 +161,11 @@ pub struct TrainArgs {
     /// The gate's bound on |approx KL| of the candidate to its parent
     #[arg(long, default_value_t = 0.05)]
     gate_kl: f64,
-    /// Train a block LoRA on the last K blocks instead (supervised only: `--algo sft`), from
-    /// sessions logged with `--block-capture K`
+    /// Train a LoRA inside the last K blocks instead of the output-projection LoRA, from
+    /// sessions logged with `--block-capture K`: RL algorithms update the active version's
+    /// block LoRA (or a fresh one of rank --rank, alpha 2·rank) with the same objectives,
+    /// TIS-corrected (cap 2 unless --tis) for the gap between the graph and llama.cpp;
+    /// `--algo sft` trains it teacher-forced
     #[arg(long, value_name = "K")]
     block_k: Option<usize>,
     /// With --block-k: adapted projections, from q,k,v,o,gate,up,down
@@ -342,23 +345,10 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     use turnwise::graph::block::{BlockGraphKind, BlockSpec, OrtBlock};
     use turnwise::graph::step::StepKind;
     use turnwise::learn::block::{logged_sessions, train_sft, SftConfig};
-    use turnwise::policy::blocks::{target_tensor, TailModel};
+    use turnwise::policy::blocks::TailModel;
 
     let k = args.block_k.unwrap_or(2);
-    if args.algo != Algo::Sft {
-        anyhow::bail!(
-            "--block-k trains a block LoRA with supervised updates only (--algo sft); RL updates \
-             of a block LoRA are not implemented yet"
-        );
-    }
-    let targets: Vec<String> = args
-        .block_targets
-        .split(',')
-        .map(|t| t.trim().to_string())
-        .collect();
-    if let Some(t) = targets.iter().find(|t| target_tensor(t).is_none()) {
-        anyhow::bail!("unknown block target {t:?} (q, k, v, o, gate, up, down)");
-    }
+    let targets = block_targets(&args.block_targets)?;
     let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
     let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
     let tail = TailModel::from_gguf(&model, k)?;
@@ -482,6 +472,18 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         println!("adapter {id} is active");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The `--block-targets` list.
+fn block_targets(list: &str) -> anyhow::Result<Vec<String>> {
+    let targets: Vec<String> = list.split(',').map(|t| t.trim().to_string()).collect();
+    if let Some(t) = targets
+        .iter()
+        .find(|t| turnwise::policy::blocks::target_tensor(t).is_none())
+    {
+        anyhow::bail!("unknown block target {t:?} (q, k, v, o, gate, up, down)");
+    }
+    Ok(targets)
 }
 
 /// Loads `block` into llama.cpp for `model` (its own loader checks architecture and shapes).
@@ -657,7 +659,7 @@ pub fn active_adapter(store: &Store) -> anyhow::Result<Option<(i64, Arc<Adapter>
 /// # Errors
 /// Selection, store and numerical errors (a rejected update leaves the active adapter as it was).
 pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
-    if args.block_k.is_some() {
+    if args.block_k.is_some() && args.algo == Algo::Sft {
         return run_block_sft(args, db);
     }
     let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
@@ -715,6 +717,15 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     cfg.backend = args.backend;
     cfg.device = args.device;
     cfg.threads = args.train_threads;
+    if let Some(k) = args.block_k {
+        cfg.block = Some(turnwise::graph::block::BlockSpec {
+            k,
+            targets: block_targets(&args.block_targets)?,
+            r: args.rank,
+            alpha: 2.0 * args.rank as f32,
+        });
+        cfg.objective.tis_cap = args.tis.or(Some(2.0));
+    }
     cfg.validate()?;
     let parent = if args.fresh {
         None

@@ -26,7 +26,7 @@ use crate::policy::blocks::{rope_tables, TailModel};
 use crate::policy::llama;
 
 /// Which projections carry LoRA, its rank and scale.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct BlockSpec {
     /// number of adapted blocks at the top of the model
     pub k: usize,
@@ -280,14 +280,14 @@ pub fn build(tail: &TailModel, spec: &BlockSpec, kind: BlockGraphKind, emulate: 
         h = bld.block(h, bi, rope, mask);
     }
     let hs = bld.g.matmul(sel, h);
-    let hs = bld.rms_norm(hs, &tail.output_norm, "output_norm");
+    let hn = bld.rms_norm(hs, &tail.output_norm, "output_norm");
     if kind == BlockGraphKind::Logits {
-        bld.g.output(hs, "hidden");
+        bld.g.output(hn, "hidden");
     }
     let hs = if emulate {
-        round_activation(&mut bld.g, hs, hp.n_embd, tail.output.ggml_type)
+        round_activation(&mut bld.g, hn, hp.n_embd, tail.output.ggml_type)
     } else {
-        hs
+        hn
     };
     let wt = tail.output.w.t().as_standard_layout().to_owned();
     let wv = bld.g.constant(
@@ -300,6 +300,23 @@ pub fn build(tail: &TailModel, spec: &BlockSpec, kind: BlockGraphKind, emulate: 
     match kind {
         BlockGraphKind::Logits => g.output(z, "logits"),
         BlockGraphKind::Step(sk) => {
+            // the sampling policy: + the output-projection LoRA on the final normalised
+            // hidden state (unrounded, as the engine applies it), / temperature, + the
+            // sampler's support (0 or a large negative logit per vocabulary entry)
+            let nv = tail.output.w.nrows() as i64;
+            let out_a = g.input("out_a", &[Sym("RO"), Fixed(d)], false);
+            let out_b = g.input("out_b", &[Fixed(nv), Sym("RO")], false);
+            let out_scale = g.input("out_scale", &[], false);
+            let inv_t = g.input("inv_t", &[Sym("T"), Fixed(1)], false);
+            let bias = g.input("bias", &[Sym("T"), Fixed(nv)], false);
+            let at = g.transpose(out_a);
+            let u = g.matmul(hn, at);
+            let bt = g.transpose(out_b);
+            let l = g.matmul(u, bt);
+            let l = g.mul(l, out_scale);
+            let z = g.add(z, l);
+            let z = g.mul_bc(z, inv_t, &[1]);
+            let z = g.add(z, bias);
             let (loss, lp) = objective(&mut g, sk, z);
             let wrt: Vec<V> = lora.iter().flat_map(|&(a, b)| [a, b]).collect();
             let grads = g.grad(loss, &wrt);
@@ -329,6 +346,21 @@ pub struct OrtBlock {
 
 /// Output of a step: loss, new log-probs, gradients in [`BlockFactors`] order.
 pub type BlockStepOutput = (f32, Vec<f32>, BlockFactors);
+
+/// How a step graph turns the model's logits at the scored rows into the policy the tokens
+/// were sampled from: the output-projection LoRA (fixed, not trained here), the sampling
+/// temperature and the sampler's support. The default is the model itself.
+#[derive(Debug, Clone, Default)]
+pub struct PolicyHead<'a> {
+    /// the output-projection LoRA `(A [r, n_embd], B [n_vocab, r], scale)` on the final
+    /// normalised hidden state
+    pub output: Option<(ArrayView2<'a, f32>, ArrayView2<'a, f32>, f32)>,
+    /// per scored row, 1 / temperature (empty: 1)
+    pub inv_t: Vec<f32>,
+    /// per scored row, added to the tempered logits: 0, or a large negative value for a
+    /// vocabulary entry outside the sampler's support (None: zeros)
+    pub bias: Option<ArrayView2<'a, f32>>,
+}
 
 impl OrtBlock {
     /// Builds and loads the graph (the frozen weights become constants of the model).
@@ -441,6 +473,58 @@ impl OrtBlock {
         Ok(feed)
     }
 
+    fn head_feed(
+        &self,
+        s: usize,
+        head: &PolicyHead<'_>,
+    ) -> Result<Vec<(String, ort::session::SessionInputValue<'static>)>> {
+        let (nv, d) = self.tail.output.w.dim();
+        let bad = |m: String| Err(Error::Invalid(format!("policy head: {m}")));
+        let (a, b, scale) = match head.output {
+            Some((a, b, sc)) => {
+                if a.ncols() != d || b.nrows() != nv || a.nrows() != b.ncols() {
+                    return bad(format!(
+                        "output LoRA of shapes {:?}, {:?} for a model of width {d} and {nv} tokens",
+                        a.dim(),
+                        b.dim()
+                    ));
+                }
+                (a.to_owned(), b.to_owned(), sc)
+            }
+            None => (Array2::zeros((1, d)), Array2::zeros((nv, 1)), 0.0),
+        };
+        let inv_t = if head.inv_t.is_empty() {
+            vec![1.0; s]
+        } else {
+            head.inv_t.clone()
+        };
+        if inv_t.len() != s {
+            return bad(format!("{} temperatures for {s} scored rows", inv_t.len()));
+        }
+        let bias = match head.bias {
+            Some(b) if b.dim() != (s, nv) => {
+                return bad(format!("a support of shape {:?} for {s} rows", b.dim()))
+            }
+            Some(b) => b.to_owned(),
+            None => Array2::zeros((s, nv)),
+        };
+        let e = |err: ort::Error| Error::Ort(format!("input: {err}"));
+        let t2 = |a: Array2<f32>| -> Result<ort::session::SessionInputValue<'static>> {
+            Ok(Tensor::from_array(a).map_err(e)?.into())
+        };
+        let inv_t = Array2::from_shape_vec((s, 1), inv_t).map_err(|x| Error::Invalid(x.to_string()))?;
+        Ok(vec![
+            ("out_a".into(), t2(a)?),
+            ("out_b".into(), t2(b)?),
+            (
+                "out_scale".into(),
+                Tensor::from_array(ndarray::arr0(scale)).map_err(e)?.into(),
+            ),
+            ("inv_t".into(), t2(inv_t)?),
+            ("bias".into(), t2(bias)?),
+        ])
+    }
+
     /// Logits `[S, n_vocab]` at the scored rows (a graph built as [`BlockGraphKind::Logits`]).
     ///
     /// # Errors
@@ -488,6 +572,20 @@ impl OrtBlock {
         lora: &BlockFactors,
         obj: &ObjectiveInputs<'_>,
     ) -> Result<BlockStepOutput> {
+        self.step_policy(rows, lora, &PolicyHead::default(), obj)
+    }
+
+    /// One training step of the policy `head` makes of the model's logits.
+    ///
+    /// # Errors
+    /// As [`OrtBlock::step`]; [`Error::Invalid`] when `head` does not match the rows.
+    pub fn step_policy(
+        &mut self,
+        rows: &BlockRows<'_>,
+        lora: &BlockFactors,
+        head: &PolicyHead<'_>,
+        obj: &ObjectiveInputs<'_>,
+    ) -> Result<BlockStepOutput> {
         let BlockGraphKind::Step(sk) = self.kind else {
             return Err(Error::Invalid(
                 "this block graph only computes logits".into(),
@@ -501,6 +599,7 @@ impl OrtBlock {
             )));
         }
         let mut feed = self.feed(rows, lora)?;
+        feed.extend(self.head_feed(rows.scored.len(), head)?);
         feed.extend(
             objective_feed(sk, obj)?
                 .into_iter()

@@ -190,6 +190,28 @@ pub struct ObjectiveInputs<'a> {
 }
 
 impl<'a> ObjectiveInputs<'a> {
+    /// The inputs of tokens `r` alone. The objective is a sum over tokens whose weights were
+    /// set for the whole batch, so the losses and gradients of the parts of a batch cut between
+    /// sessions add up to the whole's (a ratio group never spans two sessions).
+    pub fn slice(&self, r: std::ops::Range<usize>) -> ObjectiveInputs<'a> {
+        let v = |x: &[f32]| x[r.clone()].to_vec();
+        ObjectiveInputs {
+            tokens: &self.tokens[r.clone()],
+            w: v(&self.w),
+            old: v(&self.old),
+            adv: v(&self.adv),
+            lo: v(&self.lo),
+            hi: v(&self.hi),
+            gmat: self
+                .gmat
+                .as_ref()
+                .map(|m| m.slice(ndarray::s![r.clone(), r.clone()]).to_owned()),
+            kl: self.kl.as_ref().map(|(l, w, c)| (v(l), v(w), *c)),
+            entropy: self.entropy.as_ref().map(|(w, c)| (v(w), *c)),
+            digit_class: self.digit_class.as_ref().map(|(d, c)| (d.clone(), v(c))),
+        }
+    }
+
     /// Cross-entropy inputs: `−Σ w · logp(tokens)`.
     pub fn cross_entropy(tokens: &'a [usize], w: Vec<f32>) -> Self {
         let n = tokens.len();

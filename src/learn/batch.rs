@@ -25,6 +25,9 @@ pub(super) struct Batch {
     pub(super) fell_back: Vec<bool>,
     /// how groups were formed (`group_key`, `batch`, `opening_clusters`, mixtures)
     pub(super) grouping: &'static str,
+    /// a block-LoRA update: sessions of the selection left out because their block inputs
+    /// were not logged (or not for these blocks)
+    pub(super) without_block: usize,
 }
 
 /// Loads and groups the batch.
@@ -35,21 +38,30 @@ pub(super) fn select(
     store: &mut Store,
     sel: &Selection,
     cfg: &TrainConfig,
+    block: Option<(usize, usize)>,
     mut progress: impl FnMut(&str, usize, usize),
 ) -> Result<Batch> {
     let sft = cfg.algo == Algo::Sft;
     progress("loading sessions", 0, 1);
-    let sessions = load_sessions(
+    let (sessions, without_block) = load_sessions(
         store,
         sel,
         !sft,
         if sft { cfg.sft_min_outcome } else { None },
+        block,
     )?;
     if sessions.is_empty() {
-        return Err(Error::Invalid(
+        let what = if block.is_some() {
+            format!(
+                "no finished sessions with features, an outcome and the block inputs of the \
+                 adapter's blocks (logged with --block-capture) match the selection ({without_block} \
+                 without them)"
+            )
+        } else {
             "no finished sessions with features (and an outcome, for RL) match the selection"
-                .into(),
-        ));
+                .into()
+        };
+        return Err(Error::Invalid(what));
     }
     // ---- groups: live sessions without a key are clustered by their opening state ------------
     let mut sessions = sessions;
@@ -96,6 +108,7 @@ pub(super) fn select(
         groups,
         fell_back,
         grouping,
+        without_block,
     })
 }
 
@@ -115,6 +128,8 @@ pub(super) struct TurnData {
     /// what the environment said since the previous assistant turn (GiGPO's step groups)
     pub(super) observation: Vec<i32>,
     pub(super) tokens: Vec<usize>,
+    /// the session's tokens before the turn (its first token's position)
+    pub(super) context_len: usize,
     pub(super) h: Array2<f32>,
     pub(super) logp_behavior: Vec<f32>,
     /// the temperature the turn was sampled at (1 for rescored turns)
@@ -133,15 +148,21 @@ pub(super) struct SessionData {
     pub(super) group: String,
     pub(super) outcome: f64,
     pub(super) turns: Vec<TurnData>,
+    /// a block-LoRA update: the block input of every position `0 .. n` of the session
+    pub(super) block_x: Option<Array2<f32>>,
 }
 
+/// Loads the selection's sessions; with `block = (layer, n_embd)` only those whose block
+/// inputs cover every position that produced an assistant token, and returns how many were
+/// left out for lacking them.
 pub(super) fn load_sessions(
     store: &Store,
     sel: &Selection,
     require_outcome: bool,
     min_outcome: Option<f64>,
-) -> Result<Vec<SessionData>> {
-    let mut out = Vec::new();
+    block: Option<(usize, usize)>,
+) -> Result<(Vec<SessionData>, usize)> {
+    let (mut out, mut without_block) = (Vec::new(), 0);
     for s in store.training_sessions(
         sel.source,
         sel.since.as_deref(),
@@ -170,6 +191,7 @@ pub(super) fn load_sessions(
             turns.push(TurnData {
                 observation: observed,
                 turn_id: t.id,
+                context_len: t.context_len,
                 tokens: t.token_ids.iter().map(|&x| x as usize).collect(),
                 h,
                 logp_behavior: lp.logp_behavior,
@@ -178,18 +200,40 @@ pub(super) fn load_sessions(
                 adapter_id: t.adapter_id,
             });
         }
-        if !turns.is_empty() {
-            out.push(SessionData {
-                id: s.id,
-                keyless: s.group_key.is_none(),
-                unseen: s.learned_at.is_none(),
-                group: s.group_key.clone().unwrap_or_else(|| "batch".into()),
-                outcome,
-                turns,
-            });
+        if turns.is_empty() {
+            continue;
         }
+        let block_x = match block {
+            Some((layer, n_embd)) => {
+                // the last token of the last turn is a target only: positions up to it
+                let needed = turns
+                    .iter()
+                    .map(|t| t.context_len + t.tokens.len() - 1)
+                    .max()
+                    .unwrap_or(0);
+                match super::block::session_block_inputs(store, s.id, layer, n_embd)? {
+                    Some(x) if x.nrows() >= needed && turns.iter().all(|t| t.context_len > 0) => {
+                        Some(x)
+                    }
+                    _ => {
+                        without_block += 1;
+                        continue;
+                    }
+                }
+            }
+            None => None,
+        };
+        out.push(SessionData {
+            id: s.id,
+            keyless: s.group_key.is_none(),
+            unseen: s.learned_at.is_none(),
+            group: s.group_key.clone().unwrap_or_else(|| "batch".into()),
+            outcome,
+            turns,
+            block_x,
+        });
     }
-    Ok(out)
+    Ok((out, without_block))
 }
 
 /// The temperature and per-token support a logged turn was sampled with: rescored turns (and

@@ -385,7 +385,6 @@ pub fn logged_sessions(
     layer: usize,
     n_embd: usize,
 ) -> Result<(Vec<Captured>, usize)> {
-    use crate::policy::Role;
     let mut out = Vec::new();
     let mut skipped = 0;
     for &id in ids {
@@ -393,36 +392,12 @@ pub fn logged_sessions(
             skipped += 1;
             continue;
         };
-        let mut chunks = Vec::new();
-        let mut foreign = false;
-        for t in store.turns(id)? {
-            if t.role == Role::Assistant {
-                if let Some(b) = store.block_features(t.id)? {
-                    foreign |= b.layer != layer || b.n_embd != n_embd;
-                    chunks.push(b);
-                }
-            }
-        }
-        if foreign {
+        let Some(x) = session_block_inputs(store, id, layer, n_embd)? else {
             skipped += 1;
             continue;
-        }
-        let end = chunks
-            .iter()
-            .map(|b| b.first_pos + b.n_pos())
-            .max()
-            .unwrap_or(0);
-        let mut x = Array2::<f32>::zeros((end, n_embd));
-        let mut covered = vec![false; end];
-        for b in &chunks {
-            for (i, row) in b.values.chunks_exact(n_embd).enumerate() {
-                let p = b.first_pos + i;
-                x.row_mut(p).iter_mut().zip(row).for_each(|(d, &v)| *d = v);
-                covered[p] = true;
-            }
-        }
-        scored.retain(|&p| p < end);
-        if end == 0 || scored.is_empty() || covered.iter().any(|&c| !c) {
+        };
+        scored.retain(|&p| p < x.nrows());
+        if scored.is_empty() {
             skipped += 1;
             continue;
         }
@@ -435,4 +410,46 @@ pub fn logged_sessions(
         });
     }
     Ok((out, skipped))
+}
+
+/// The block inputs of session `id`'s positions `0 .. end` from the `block_features` of its
+/// assistant turns (a later chunk wins where two overlap, as after a restored session), or
+/// None when the session was logged without capturing block `layer` (or another width) or
+/// a position is not covered.
+///
+/// # Errors
+/// Store errors.
+pub fn session_block_inputs(
+    store: &crate::store::Store,
+    id: i64,
+    layer: usize,
+    n_embd: usize,
+) -> Result<Option<Array2<f32>>> {
+    use crate::policy::Role;
+    let mut chunks = Vec::new();
+    for t in store.turns(id)? {
+        if t.role == Role::Assistant {
+            if let Some(b) = store.block_features(t.id)? {
+                if b.layer != layer || b.n_embd != n_embd {
+                    return Ok(None);
+                }
+                chunks.push(b);
+            }
+        }
+    }
+    let end = chunks
+        .iter()
+        .map(|b| b.first_pos + b.n_pos())
+        .max()
+        .unwrap_or(0);
+    let mut x = Array2::<f32>::zeros((end, n_embd));
+    let mut covered = vec![false; end];
+    for b in &chunks {
+        for (i, row) in b.values.chunks_exact(n_embd).enumerate() {
+            let p = b.first_pos + i;
+            x.row_mut(p).iter_mut().zip(row).for_each(|(d, &v)| *d = v);
+            covered[p] = true;
+        }
+    }
+    Ok((end > 0 && covered.iter().all(|&c| c)).then_some(x))
 }

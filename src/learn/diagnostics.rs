@@ -102,6 +102,12 @@ pub struct Diagnostics {
     pub device: Option<String>,
     /// the AdamW moments came from the parent adapter
     pub optimizer_from_parent: bool,
+    /// what the update trained: `output` (the output-projection LoRA) or the block LoRA's
+    /// layout (`block k=2 q,v r=8`)
+    pub trained: String,
+    /// a block-LoRA update: sessions of the selection left out because their block inputs
+    /// were not logged
+    pub sessions_without_block: usize,
 }
 
 impl Diagnostics {

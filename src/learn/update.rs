@@ -20,7 +20,9 @@ use super::objective::{
 use super::step::{self, Lora, Minibatch};
 use crate::adapter::{adapter_dir, f32_bytes, f32_tensor, Adapter};
 use crate::error::{Error, Result};
+use crate::graph::block::BlockSpec;
 use crate::graph::Device;
+use crate::policy::blocks::TailModel;
 use crate::policy::sampler::Support;
 use crate::policy::OutputHead;
 use crate::store::{AdapterStatus, CandidateCommit, Source, Store, UpdateStatus};
@@ -172,6 +174,18 @@ pub struct TrainConfig {
     /// windowed turn-group GAE: λ
     #[serde(default = "default_gae_lambda")]
     pub gae_lambda: f64,
+    /// RL trains a LoRA inside the model's last blocks (served by llama.cpp itself) instead of
+    /// the output-projection LoRA: the parent's block LoRA, or a fresh one of this layout. The
+    /// sessions must have been logged with their block inputs (`--block-capture k`); old and
+    /// new log-probs come from the same block graph, the output LoRA stays as it is, and the
+    /// value head still learns from the stored features. None: the output LoRA is trained.
+    #[serde(default)]
+    pub block: Option<BlockSpec>,
+    /// a block-LoRA update runs the graph over whole sessions of at most this many positions
+    /// together (a longer session runs alone) and adds up their losses and gradients: the
+    /// attention is dense over a run's rows, so its memory grows with their square
+    #[serde(default = "default_block_run_positions")]
+    pub block_run_positions: usize,
 }
 
 /// The group key of sessions whose own group was too small ([`TrainConfig::min_group_size`]).
@@ -211,8 +225,12 @@ impl TrainConfig {
         if !positive(self.max_grad_norm) || !positive(self.adam_eps) {
             return bad("the gradient clip and AdamW epsilon must be positive");
         }
-        if self.epochs == 0 || self.minibatch_tokens == 0 || self.rank == 0 {
-            return bad("epochs, minibatch tokens and the LoRA rank must be at least 1");
+        if self.epochs == 0
+            || self.minibatch_tokens == 0
+            || self.rank == 0
+            || self.block_run_positions == 0
+        {
+            return bad("epochs, minibatch tokens, block run positions and the LoRA rank must be at least 1");
         }
         let steps_ok = self.gigpo_similarity > 0.0
             && self.gigpo_similarity <= 1.0
@@ -228,6 +246,17 @@ impl TrainConfig {
         let non_negative = |x: f64| x.is_finite() && x >= 0.0;
         if !(non_negative(o.kl_coef) && non_negative(o.entropy_coef)) {
             return bad("the KL and entropy coefficients must be finite and not negative");
+        }
+        if let Some(b) = &self.block {
+            if self.algo == Algo::Sft {
+                return bad("a supervised block LoRA is trained with `turnwise train --algo sft --block-k K`");
+            }
+            if self.keep_optimizer {
+                return bad("carrying the optimizer over is not supported for a block LoRA");
+            }
+            if b.k == 0 || b.r == 0 || b.targets.is_empty() || !(b.alpha.is_finite() && b.alpha > 0.0) {
+                return bad("a block LoRA needs k, r and at least one target, and a positive alpha");
+            }
         }
         Ok(())
     }
@@ -314,6 +343,8 @@ impl TrainConfig {
             gigpo_similarity: 1.0,
             gae_window: default_gae_window(),
             gae_lambda: default_gae_lambda(),
+            block: None,
+            block_run_positions: default_block_run_positions(),
         }
     }
 }
@@ -323,6 +354,10 @@ impl TrainConfig {
 fn token_learns(cfg: &TrainConfig, adv: f64, is_digit: impl FnOnce() -> bool) -> bool {
     let masked = cfg.mask_digits || (cfg.mask_negative_digits && adv <= 0.0);
     !masked || !is_digit()
+}
+
+fn default_block_run_positions() -> usize {
+    1024
 }
 
 fn default_adam_eps() -> f64 {
@@ -472,7 +507,17 @@ fn load_optimizer(dir: &Path, opt: &mut AdamW, vopt: &mut AdamW) -> Result<bool>
 
 /// A logit value no token of a support can lose to: `exp` of it is 0 in f32, and `0 · it` is 0
 /// (an infinity would make the entropy term NaN).
-const EXCLUDED: f32 = -1e9;
+pub(super) const EXCLUDED: f32 = -1e9;
+
+/// The policy an adapter is: its output LoRA and its block LoRA.
+fn current_lora(a: &Adapter) -> Lora<'_> {
+    Lora {
+        a: a.a.view(),
+        b: a.b.view(),
+        scale: a.scale(),
+        block: a.block.as_ref().map(|b| &b.factors),
+    }
+}
 
 /// Log-probs of `tokens` under `adapter` (None: base) from base logits and features.
 fn logprobs(
@@ -529,12 +574,37 @@ pub fn run_update(
         Some(id) => Some(Adapter::load(Path::new(&store.adapter(id)?.path))?),
         None => None,
     };
+    // ---- a block-LoRA update: its layout (the parent's, or a fresh one's) and the last blocks
+    let block_spec = cfg.block.clone().filter(|_| !sft);
+    if let (Some(spec), Some((id, p))) = (&block_spec, &parent) {
+        if let Some(b) = p.block.as_ref().filter(|b| &b.spec != spec) {
+            return Err(Error::Invalid(format!(
+                "the parent adapter {id} has a block LoRA of another layout (k={} {} r={} \
+                 alpha={}) than the one asked for (k={} {} r={} alpha={}); train it with its \
+                 layout, or start fresh",
+                b.spec.k,
+                b.spec.targets.join(","),
+                b.spec.r,
+                b.spec.alpha,
+                spec.k,
+                spec.targets.join(","),
+                spec.r,
+                spec.alpha
+            )));
+        }
+    }
+    let tail = match &block_spec {
+        Some(spec) => Some(TailModel::from_gguf(&head.path, spec.k)?),
+        None => None,
+    };
+    let block_io = tail.as_ref().map(|t| (t.input_layer(), t.hp.n_embd));
     let Batch {
         sessions,
         groups,
         fell_back,
         grouping,
-    } = batch::select(store, sel, cfg, &mut progress)?;
+        without_block,
+    } = batch::select(store, sel, cfg, block_io, &mut progress)?;
     // ---- adapters: the one being trained, and those that generated the turns -------------------
     let n_embd = head.n_embd();
     let mut current = parent
@@ -550,6 +620,17 @@ pub fn run_update(
                 "",
             )
         });
+    if let (Some(t), Some(spec), None) = (&tail, &block_spec, &current.block) {
+        current.block = Some(crate::adapter::block::BlockLora::fresh(
+            &t.hp,
+            spec.clone(),
+            cfg.seed,
+        ));
+    }
+    let trained = match &block_spec {
+        Some(b) => format!("block k={} {} r={}", b.k, b.targets.join(","), b.r),
+        None => "output".into(),
+    };
     let Credit {
         keep,
         turn_adv,
@@ -579,7 +660,19 @@ pub fn run_update(
         }
     }
 
-    let mut backend = step::backend(cfg, sft)?;
+    let block_mode = tail.is_some();
+    if block_mode {
+        for (id, g) in &generators {
+            if let Some(b) = g.block.as_ref().filter(|b| Some(&b.spec) != block_spec.as_ref()) {
+                return Err(Error::Invalid(format!(
+                    "turns of the selection were sampled with adapter {id}, whose block LoRA \
+                     ({:?}) has another layout than the one trained ({block_spec:?})",
+                    b.spec
+                )));
+            }
+        }
+    }
+    let mut backend = step::backend(cfg, sft, tail.zip(block_spec.clone()))?;
     // ---- minibatches with base logits, old / reference log-probs -------------------------------
     let digit_vocab = (sft && cfg.sft_digit_class).then(|| {
         std::sync::Arc::new(
@@ -630,12 +723,30 @@ pub fn run_update(
             states: Vec::new(),
             digit_class: Vec::new(),
             digit_vocab: digit_vocab.clone(),
+            block: None,
         };
+        let mut block_parts = Vec::new();
         let mut gens = Vec::new();
         // per token: 1 / temperature, the support, the generating adapter
         let mut behaviour: Vec<(f32, Option<&Support>, Option<i64>)> = Vec::with_capacity(n);
         for (si, &i) in take.iter().enumerate() {
             let s = &sessions[i];
+            if let Some(x) = &s.block_x {
+                // positions 0 .. the one that produced the session's last token
+                let end = s
+                    .turns
+                    .iter()
+                    .map(|t| t.context_len + t.tokens.len() - 1)
+                    .max()
+                    .unwrap_or(0);
+                let scored: Vec<usize> = s
+                    .turns
+                    .iter()
+                    .flat_map(|t| (0..t.tokens.len()).map(move |k| t.context_len - 1 + k))
+                    .collect();
+                let first = mb.tokens.len();
+                block_parts.push((x.slice(ndarray::s![..end, ..]), first, scored));
+            }
             for (t, turn) in s.turns.iter().enumerate() {
                 mb.states.push((mb.tokens.len(), success(s.outcome)));
                 for k in 0..turn.tokens.len() {
@@ -703,26 +814,75 @@ pub fn run_update(
         }
         // the base policy's log-probs; with a reference adapter they are only the step
         // graph's input of the right length while it computes the reference's own
-        mb.batch.logp_ref = log_softmax_at(&mb.base, &mb.tokens);
+        if block_mode {
+            // the block graph computes the logits; `base` keeps only the sampler's support
+            mb.base
+                .mapv_inplace(|x| if x == EXCLUDED { EXCLUDED } else { 0.0 });
+            let views: Vec<_> = block_parts.iter().map(|p| p.0.view()).collect();
+            let x = ndarray::concatenate(Axis(0), &views)
+                .map_err(|e| Error::Corrupt(e.to_string()))?;
+            let (mut row, mut parts) = (0, Vec::with_capacity(block_parts.len()));
+            for (xs, first, scored) in block_parts {
+                parts.push(step::BlockSession {
+                    rows: row..row + xs.nrows(),
+                    tokens: first..first + scored.len(),
+                    scored,
+                });
+                row += xs.nrows();
+            }
+            mb.block = Some(step::BlockBatch {
+                x,
+                inv_t: behaviour.iter().map(|b| b.0).collect(),
+                sessions: parts,
+            });
+        }
+        mb.batch.logp_ref = if block_mode {
+            vec![0.0; mb.tokens.len()]
+        } else {
+            log_softmax_at(&mb.base, &mb.tokens)
+        };
+        let zero_b = Array2::<f32>::zeros(current.b.dim());
         if let Some(r) = &kl_ref {
             let w = Lora {
                 a: r.a.view(),
                 b: r.b.view(),
                 scale: r.scale(),
+                block: r.block.as_ref().map(|b| &b.factors),
+            };
+            mb.batch.logp_ref = backend.logp(&mb, w)?;
+        } else if block_mode && cfg.objective.kl_coef > 0.0 {
+            // the base policy: no adapter at all
+            let w = Lora {
+                a: current.a.view(),
+                b: zero_b.view(),
+                scale: current.scale(),
+                block: None,
             };
             mb.batch.logp_ref = backend.logp(&mb, w)?;
         }
         // logp_old per turn under the adapter that generated it, computed by the same step
         // engine as the new log-probs (so the first ratio of the update is exactly 1)
-        let zero_b = Array2::<f32>::zeros(current.b.dim());
         let mut by_gen: HashMap<Option<i64>, Vec<f64>> = HashMap::new();
         for (gen, _) in &gens {
             if !by_gen.contains_key(gen) {
-                let (a, b, sc) = match gen.and_then(|g| generators.get(&g)) {
-                    Some(ad) => (ad.a.view(), ad.b.view(), ad.scale()),
-                    None => (current.a.view(), zero_b.view(), current.scale()),
+                let (a, b, scale, block) = match gen.and_then(|g| generators.get(&g)) {
+                    Some(ad) => (
+                        ad.a.view(),
+                        ad.b.view(),
+                        ad.scale(),
+                        ad.block.as_ref().map(|b| &b.factors),
+                    ),
+                    None => (current.a.view(), zero_b.view(), current.scale(), None),
                 };
-                let lp = backend.logp(&mb, Lora { a, b, scale: sc })?;
+                let lp = backend.logp(
+                    &mb,
+                    Lora {
+                        a,
+                        b,
+                        scale,
+                        block,
+                    },
+                )?;
                 by_gen.insert(*gen, lp);
             }
         }
@@ -748,7 +908,11 @@ pub fn run_update(
 
     // ---- epochs of AdamW steps ----------------------------------------------------------------
     let device_used = backend.device();
-    let mut opt = AdamW::new(&[current.a.dim(), current.b.dim()]);
+    let shapes: Vec<(usize, usize)> = match (&current.block, block_mode) {
+        (Some(b), true) => b.factors.a.iter().chain(&b.factors.b).map(|m| m.dim()).collect(),
+        _ => vec![current.a.dim(), current.b.dim()],
+    };
+    let mut opt = AdamW::new(&shapes);
     let mut vopt = AdamW::new(&[(1, n_embd + 1)]);
     let mut optimizer_from_parent = false;
     if cfg.keep_optimizer {
@@ -764,13 +928,8 @@ pub fn run_update(
     let mut loss_last = 0f64;
     for _epoch in 0..cfg.epochs {
         for mb in &minibatches {
-            let scale = current.scale();
-            let w = Lora {
-                a: current.a.view(),
-                b: current.b.view(),
-                scale,
-            };
-            let (loss, logp_new, da, db, stats) = backend.loss_and_grad(mb, w)?;
+            let w = current_lora(&current);
+            let (loss, logp_new, grads, stats) = backend.loss_and_grad(mb, w)?;
             if first_ratio_dev.is_none() && !sft {
                 let dev = logp_new
                     .iter()
@@ -794,12 +953,12 @@ pub fn run_update(
                 }
                 vloss /= mb.states.len() as f64;
             }
-            let norm = (da
+            let norm = grads
                 .iter()
-                .chain(db.iter())
+                .flat_map(|g| g.iter())
                 .map(|x| (*x as f64).powi(2))
-                .sum::<f64>())
-            .sqrt();
+                .sum::<f64>()
+                .sqrt();
             if !loss.is_finite() || !norm.is_finite() || !vloss.is_finite() {
                 let diag = json!({"rejected": "non-finite loss or gradient", "step": step, "loss": loss.to_string(), "grad_norm": norm.to_string()});
                 let id = store.record_update(
@@ -816,10 +975,14 @@ pub fn run_update(
             } else {
                 1.0
             };
-            let (da, db) = (da * clip, db * clip);
+            let grads: Vec<Array2<f32>> = grads.into_iter().map(|g| g * clip).collect();
+            let mut params: Vec<&mut Array2<f32>> = match current.block.as_mut() {
+                Some(b) if block_mode => b.factors.a.iter_mut().chain(b.factors.b.iter_mut()).collect(),
+                _ => vec![&mut current.a, &mut current.b],
+            };
             opt.step(
-                &mut [&mut current.a, &mut current.b],
-                &[da, db],
+                &mut params,
+                &grads,
                 [cfg.lr, cfg.weight_decay, cfg.adam_eps],
             );
             if cfg.value_coef > 0.0 {
@@ -860,7 +1023,11 @@ pub fn run_update(
     let (mut ent_sum, mut ent_n) = (0f64, 0usize);
     let (mut ev_num, mut ev_den, mut ys) = (0f64, 0f64, Vec::new());
     for mb in &minibatches {
-        let new = logprobs(&mb.base, &mb.hs, &mb.tokens, Some(&current));
+        let new = if block_mode {
+            backend.logp(mb, current_lora(&current))?
+        } else {
+            logprobs(&mb.base, &mb.hs, &mb.tokens, Some(&current))
+        };
         // turn entropy: per session, softmax over per-turn shares of the session's Σ lr
         let mut per_seq: BTreeMap<usize, BTreeMap<usize, f64>> = BTreeMap::new();
         for (k, (n, o)) in new.iter().zip(&mb.batch.logp_old).enumerate() {
@@ -957,6 +1124,8 @@ pub fn run_update(
         value_heldout_states: value_states,
         device: device_used,
         optimizer_from_parent,
+        trained,
+        sessions_without_block: without_block,
     };
     let diagnostics_json = diagnostics.to_json();
 

@@ -77,6 +77,8 @@ pub struct OutputHead {
     pub tensor: String,
     /// ggml type of the stored weight
     pub weight_type: u32,
+    /// the GGUF file it was read from (a block-LoRA update reads the model's last blocks)
+    pub path: std::path::PathBuf,
     /// per token id: its piece is a number (digits only, after the tokenizer's space marker)
     digits: Vec<bool>,
 }
@@ -118,6 +120,7 @@ impl OutputHead {
             act_type: llama::vec_dot_type(t.ggml_type),
             tensor: t.name,
             weight_type: t.ggml_type,
+            path: path.into(),
             digits,
         })
     }
