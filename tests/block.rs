@@ -556,13 +556,24 @@ fn logged_sessions_train_a_block_lora_offline() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", crate::common::show(&o));
+    // RL on top of it: the same layout is updated; another layout is refused with a reason
     let o = crate::common::turnwise(&db)
         .args(["train", "--algo", "grpo", "--block-k", "2"])
         .output()
         .unwrap();
+    assert!(o.status.success(), "{}", crate::common::show(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("\"trained\": \"block k=2 q,v r=8\""),
+        "{}",
+        crate::common::show(&o)
+    );
+    let o = crate::common::turnwise(&db)
+        .args(["train", "--algo", "grpo", "--block-k", "4"])
+        .output()
+        .unwrap();
     assert!(!o.status.success());
     assert!(
-        String::from_utf8_lossy(&o.stderr).contains("supervised"),
+        String::from_utf8_lossy(&o.stderr).contains("another layout"),
         "{}",
         crate::common::show(&o)
     );
@@ -647,10 +658,14 @@ fn an_rl_update_trains_a_block_lora_from_logged_sessions() {
         {
             let mut msgs = vec![Message::new(Role::User, *m)];
             if j == 0 {
-                msgs.insert(0, Message::new(Role::System, "You are a customer-service agent."));
+                msgs.insert(
+                    0,
+                    Message::new(Role::System, "You are a customer-service agent."),
+                );
             }
             let g = engine.generate(i, msgs, params.clone(), None).unwrap();
-            rec.generation(&mut store, &g, &params, engine.info()).unwrap();
+            rec.generation(&mut store, &g, &params, engine.info())
+                .unwrap();
         }
         let value = if i < 2 { 1.0 } else { 0.0 };
         rec.feedback(&mut store, &Feedback::Outcome { value, note: None })
@@ -677,7 +692,10 @@ fn an_rl_update_trains_a_block_lora_from_logged_sessions() {
     cfg.block_run_positions = 1;
     let b = run_update(&mut store, &db, &head, None, &cfg, &sel, |_, _, _| {}).unwrap();
     let (d, e) = (&a.diagnostics, &b.diagnostics);
-    assert_eq!((d.sessions, d.steps, d.trained.as_str()), (4, 1, "block k=2 q,v r=4"));
+    assert_eq!(
+        (d.sessions, d.steps, d.trained.as_str()),
+        (4, 1, "block k=2 q,v r=4")
+    );
     assert!(d.first_ratio_max_dev.is_some_and(|x| x < 1e-6), "{d}");
     // the parity gap (docs/results.md: about 0.014 nats at k = 2), not a wrong alignment
     assert!(
@@ -685,14 +703,22 @@ fn an_rl_update_trains_a_block_lora_from_logged_sessions() {
         "{d}"
     );
     let close = |x: f64, y: f64| (x - y).abs() <= 1e-4 * x.abs().max(y.abs()).max(1e-6);
-    assert!(d.grad_norm > 0.0 && close(d.grad_norm, e.grad_norm), "{d}\n{e}");
+    assert!(
+        d.grad_norm > 0.0 && close(d.grad_norm, e.grad_norm),
+        "{d}\n{e}"
+    );
     // (a centred advantage: the loss at ratio 1 is 0 up to rounding)
     assert!((d.loss - e.loss).abs() < 1e-6, "{d}\n{e}");
     let load = |id: i64| Adapter::load(&adapter_dir(&db, id)).unwrap();
     let ca = load(a.adapter_id.unwrap());
-    let moved = ca.block.as_ref().unwrap().factors.b.iter().fold(0f32, |m, x| {
-        x.iter().fold(m, |m, v| m.max(v.abs()))
-    });
+    let moved = ca
+        .block
+        .as_ref()
+        .unwrap()
+        .factors
+        .b
+        .iter()
+        .fold(0f32, |m, x| x.iter().fold(m, |m, v| m.max(v.abs())));
     assert!(moved > 1e-4, "the block LoRA did not move");
     // the output LoRA is not trained
     assert!(ca.b.iter().all(|&x| x == 0.0));
@@ -753,5 +779,8 @@ fn an_rl_update_trains_a_block_lora_from_logged_sessions() {
     };
     let (won, lost) = (mean_gain(true), mean_gain(false));
     eprintln!("per-token log-prob change: successes {won:+.4}, failures {lost:+.4}");
-    assert!(won > lost, "successes {won:+.4}, failures {lost:+.4} nats per token");
+    assert!(
+        won > lost,
+        "successes {won:+.4}, failures {lost:+.4} nats per token"
+    );
 }

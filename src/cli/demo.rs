@@ -92,8 +92,17 @@ pub struct DemoArgs {
     id_slot: OnOff,
     /// Block warm start: also train a LoRA on q,v of the last K blocks on the demonstrations
     /// (served by llama.cpp; RL then trains the output LoRA on top of it)
-    #[arg(long, value_name = "K")]
+    #[arg(long, value_name = "K", conflicts_with = "adapter")]
     block_warm: Option<usize>,
+    /// Which LoRA RL trains: `output` (on the output projection, applied at every sampled
+    /// token) or `block` (on q,v of the last --block-k blocks, r 8, served by llama.cpp; the
+    /// warm start trains it on the demonstrations too, the sessions log their block inputs, and
+    /// the gap between the graph and llama.cpp is TIS-corrected, cap 2)
+    #[arg(long, value_enum)]
+    adapter: Option<AdapterKind>,
+    /// With --adapter block: how many of the model's last blocks carry the LoRA
+    #[arg(long, default_value_t = 2, value_name = "K")]
+    block_k: usize,
     /// Validation gate: activate a candidate only if its greedy success on N fresh
     /// validation-template scenarios (phrasings that neither the rollouts nor the held-out set
     /// use) is at least the active adapter's on the same ones (default 32, --quick 0; 0: the KL
@@ -186,6 +195,15 @@ enum WarmDigits {
     Class,
 }
 
+/// The LoRA RL trains.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum AdapterKind {
+    /// on the output projection
+    Output,
+    /// on q,v of the last blocks
+    Block,
+}
+
 /// A switch.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum OnOff {
@@ -238,6 +256,20 @@ impl DemoArgs {
         c.greedy_digits = self.greedy_digits == OnOff::On;
         c.id_slot = self.id_slot == OnOff::On;
         c.block_warm = self.block_warm;
+        if self.adapter == Some(AdapterKind::Block) {
+            let spec = turnwise::graph::block::BlockSpec {
+                k: self.block_k,
+                targets: vec!["q".into(), "v".into()],
+                r: 8,
+                alpha: 16.0,
+            };
+            c.block_warm = Some(spec.k);
+            c.rl.block = Some(spec);
+            c.rl.objective.tis_cap = Some(2.0);
+            // the shadow check compares two output LoRAs on one hidden state; two block LoRAs
+            // make different hidden states, so the active adapter replays every scenario
+            c.shadow_gate = false;
+        }
         c.stratify = self.stratify == OnOff::On;
         c.paraphrase = self.paraphrase == OnOff::On;
         c.restate = self.restate == OnOff::On;
@@ -321,6 +353,9 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     );
     let mut ecfg = args.model.engine_config(verbose)?;
     ecfg.n_threads = i32::try_from(threads / n_engines).unwrap_or(1);
+    if let Some(b) = &cfg.rl.block {
+        ecfg.block_k = Some(b.k);
+    }
     let engines = (0..n_engines)
         .map(|_| Engine::start(ecfg.clone()))
         .collect::<turnwise::Result<Vec<_>>>()?;

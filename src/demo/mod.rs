@@ -145,7 +145,8 @@ pub struct DemoConfig {
     /// block warm start: after the output-LoRA warm start, a LoRA on q,v (r = 8) of the last
     /// `k` blocks is trained on the same demonstrations (teacher-forced, block inputs captured
     /// with llama.cpp) and served by llama.cpp from then on; RL updates keep it and train the
-    /// output LoRA on top
+    /// output LoRA on top — unless `rl.block` is set, when RL trains this block LoRA (the
+    /// engines must then log block inputs: `EngineConfig::block_k`)
     pub block_warm: Option<usize>,
     /// llama.cpp engines that play sessions side by side (each with its own context and
     /// `threads / engines` threads): on two cores two one-thread engines decode about 1.4× the
@@ -252,6 +253,20 @@ pub struct Evaluation {
 }
 
 impl Evaluation {
+    /// Share of sessions with an agent reply that repeats a word trigram (`is refund 42 is
+    /// refund 42`): the loops a policy update can drift into.
+    pub fn repeated_trigram_share(&self) -> f64 {
+        let looping = |t: &Vec<(String, String)>| {
+            t.iter().filter(|(r, _)| r == "assistant").any(|(_, text)| {
+                let w: Vec<&str> = text.split_whitespace().collect();
+                let mut seen = std::collections::HashSet::new();
+                w.windows(3).any(|g| !seen.insert(g))
+            })
+        };
+        let n = self.transcripts.len();
+        self.transcripts.iter().filter(|t| looping(t)).count() as f64 / n.max(1) as f64
+    }
+
     /// Success rate.
     pub fn rate(&self) -> f64 {
         mean(
@@ -391,6 +406,9 @@ pub struct DemoResult {
     pub experience_entries: Vec<EntryRow>,
     /// injections recorded in logged turns
     pub experience_injections: i64,
+    /// the process's peak resident memory in MiB at the end (`VmHWM`; 0 where unknown)
+    #[serde(default)]
+    pub peak_rss_mib: f64,
 }
 
 /// Progress events for the front end.
@@ -401,6 +419,19 @@ pub enum Progress<'a> {
     Tick(&'a str),
     /// the phase is over
     Done(&'a str),
+}
+
+/// The process's peak resident set (`VmHWM` of `/proc/self/status`) in MiB; 0 where unknown.
+pub fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 /// `s` with the run's [`DemoConfig::restate`] setting.
@@ -866,6 +897,7 @@ impl<'a> Demo<'a> {
                 rl_gain: (0.0, 0.0, 0.0),
                 experience_entries: Vec::new(),
                 experience_injections: 0,
+                peak_rss_mib: 0.0,
             },
             cfg,
         })
@@ -1531,6 +1563,7 @@ impl<'a> Demo<'a> {
             self.result.experience_injections = Library::injections(&self.store)?;
         }
         self.result.wall_s = self.start.elapsed().as_secs_f64();
+        self.result.peak_rss_mib = peak_rss_mib();
         Ok(self.result)
     }
 }

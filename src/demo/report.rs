@@ -271,6 +271,24 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         if c.experience { "on" } else { "off" },
         c.engines
     );
+    let _ = writeln!(
+        s,
+        "RL trains {}.\n",
+        match &c.rl.block {
+            Some(b) => format!(
+                "a LoRA on {} of the last {} blocks (r {}, alpha {}), served by llama.cpp; old and new log-probs from the block graph, TIS cap {}",
+                b.targets.join(","),
+                b.k,
+                b.r,
+                b.alpha,
+                c.rl.objective.tis_cap.map_or("off".into(), |x| x.to_string())
+            ),
+            None => match c.block_warm {
+                Some(k) => format!("the output-projection LoRA, on top of a block LoRA (q,v of the last {k} blocks) trained on the demonstrations"),
+                None => "the output-projection LoRA".into(),
+            },
+        }
+    );
     let (d, lo, hi) = r.rl_gain;
     let _ = writeln!(
         s,
@@ -280,14 +298,14 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         100.0 * hi
     );
     let _ = writeln!(s, "## Held-out evaluations\n");
-    let _ = writeln!(s, "| evaluation | after iteration | adapter | success | 95 % interval | mean reward | agent replies | malformed / session |");
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "| evaluation | after iteration | adapter | success | 95 % interval | mean reward | agent replies | malformed / session | repeated trigrams |");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
     for e in &r.evals {
         let k = e.success.iter().filter(|&&b| b).count();
         let (l, h) = wilson(k, e.success.len());
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} ({k}/{}) | {} – {} | {:.3} | {:.2} | {:.2} |",
+            "| {} | {} | {} | {} ({k}/{}) | {} – {} | {:.3} | {:.2} | {:.2} | {} |",
             e.label,
             e.iteration,
             e.adapter_id.map_or("none".into(), |a| a.to_string()),
@@ -297,7 +315,8 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
             pct(h),
             super::mean(&e.reward),
             e.mean_turns,
-            e.malformed_per_session
+            e.malformed_per_session,
+            pct(e.repeated_trigram_share())
         );
     }
     if let (Some(w), Some(f)) = (
@@ -385,12 +404,21 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
     for (p, t) in &r.phase_seconds {
         let _ = writeln!(s, "- {p}: {t:.0} s");
     }
-    let _ = writeln!(
-        s,
-        "- total: {:.0} s ({:.1} min)\n",
-        r.wall_s,
-        r.wall_s / 60.0
-    );
+    let _ = writeln!(s, "- total: {:.0} s ({:.1} min)", r.wall_s, r.wall_s / 60.0);
+    let updates: Vec<f64> = r
+        .iterations
+        .iter()
+        .filter_map(|i| i.diagnostics.as_ref().map(|d| d.seconds))
+        .collect();
+    if !updates.is_empty() {
+        let _ = writeln!(
+            s,
+            "- RL update (learner only): {:.1} s on average over {} updates",
+            super::mean(&updates),
+            updates.len()
+        );
+    }
+    let _ = writeln!(s, "- peak resident memory: {:.0} MiB\n", r.peak_rss_mib);
     let _ = writeln!(s, "## Plots\n");
     for p in plots {
         if let Some(name) = p.file_name().and_then(|n| n.to_str()) {

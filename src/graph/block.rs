@@ -512,7 +512,8 @@ impl OrtBlock {
         let t2 = |a: Array2<f32>| -> Result<ort::session::SessionInputValue<'static>> {
             Ok(Tensor::from_array(a).map_err(e)?.into())
         };
-        let inv_t = Array2::from_shape_vec((s, 1), inv_t).map_err(|x| Error::Invalid(x.to_string()))?;
+        let inv_t =
+            Array2::from_shape_vec((s, 1), inv_t).map_err(|x| Error::Invalid(x.to_string()))?;
         Ok(vec![
             ("out_a".into(), t2(a)?),
             ("out_b".into(), t2(b)?),

@@ -58,8 +58,7 @@ pub(super) fn select(
                  without them)"
             )
         } else {
-            "no finished sessions with features (and an outcome, for RL) match the selection"
-                .into()
+            "no finished sessions with features (and an outcome, for RL) match the selection".into()
         };
         return Err(Error::Invalid(what));
     }

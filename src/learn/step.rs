@@ -133,10 +133,9 @@ impl BlockStep<'_> {
         mb: &Minibatch,
         w: Lora<'_>,
     ) -> Result<(f32, Vec<f32>, Option<BlockFactors>)> {
-        let blk = mb
-            .block
-            .as_ref()
-            .ok_or_else(|| Error::Invalid("a block step needs the sessions' block inputs".into()))?;
+        let blk = mb.block.as_ref().ok_or_else(|| {
+            Error::Invalid("a block step needs the sessions' block inputs".into())
+        })?;
         let all = step_inputs(self.cfg, self.sft, mb, w.a, w.b, w.scale).obj;
         let factors = w.block.unwrap_or(&self.zero);
         let (mut loss, mut logp, mut grads): (f32, Vec<f32>, Option<BlockFactors>) =
@@ -178,7 +177,12 @@ impl BlockStep<'_> {
             grads = Some(match grads {
                 None => g,
                 Some(mut acc) => {
-                    for (x, y) in acc.a.iter_mut().chain(acc.b.iter_mut()).zip(g.a.iter().chain(&g.b)) {
+                    for (x, y) in acc
+                        .a
+                        .iter_mut()
+                        .chain(acc.b.iter_mut())
+                        .zip(g.a.iter().chain(&g.b))
+                    {
                         *x += y;
                     }
                     acc
@@ -202,7 +206,12 @@ impl StepBackend for BlockStep<'_> {
             let lp64: Vec<f64> = lp.iter().map(|&x| x as f64).collect();
             surrogate(&self.cfg.objective, &mb.batch, &lp64).2
         });
-        Ok((loss, lp, grads.a.into_iter().chain(grads.b).collect(), stats))
+        Ok((
+            loss,
+            lp,
+            grads.a.into_iter().chain(grads.b).collect(),
+            stats,
+        ))
     }
 
     fn device(&self) -> Option<String> {

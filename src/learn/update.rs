@@ -254,8 +254,14 @@ impl TrainConfig {
             if self.keep_optimizer {
                 return bad("carrying the optimizer over is not supported for a block LoRA");
             }
-            if b.k == 0 || b.r == 0 || b.targets.is_empty() || !(b.alpha.is_finite() && b.alpha > 0.0) {
-                return bad("a block LoRA needs k, r and at least one target, and a positive alpha");
+            if b.k == 0
+                || b.r == 0
+                || b.targets.is_empty()
+                || !(b.alpha.is_finite() && b.alpha > 0.0)
+            {
+                return bad(
+                    "a block LoRA needs k, r and at least one target, and a positive alpha",
+                );
             }
         }
         Ok(())
@@ -663,7 +669,11 @@ pub fn run_update(
     let block_mode = tail.is_some();
     if block_mode {
         for (id, g) in &generators {
-            if let Some(b) = g.block.as_ref().filter(|b| Some(&b.spec) != block_spec.as_ref()) {
+            if let Some(b) = g
+                .block
+                .as_ref()
+                .filter(|b| Some(&b.spec) != block_spec.as_ref())
+            {
                 return Err(Error::Invalid(format!(
                     "turns of the selection were sampled with adapter {id}, whose block LoRA \
                      ({:?}) has another layout than the one trained ({block_spec:?})",
@@ -819,8 +829,8 @@ pub fn run_update(
             mb.base
                 .mapv_inplace(|x| if x == EXCLUDED { EXCLUDED } else { 0.0 });
             let views: Vec<_> = block_parts.iter().map(|p| p.0.view()).collect();
-            let x = ndarray::concatenate(Axis(0), &views)
-                .map_err(|e| Error::Corrupt(e.to_string()))?;
+            let x =
+                ndarray::concatenate(Axis(0), &views).map_err(|e| Error::Corrupt(e.to_string()))?;
             let (mut row, mut parts) = (0, Vec::with_capacity(block_parts.len()));
             for (xs, first, scored) in block_parts {
                 parts.push(step::BlockSession {
@@ -874,15 +884,7 @@ pub fn run_update(
                     ),
                     None => (current.a.view(), zero_b.view(), current.scale(), None),
                 };
-                let lp = backend.logp(
-                    &mb,
-                    Lora {
-                        a,
-                        b,
-                        scale,
-                        block,
-                    },
-                )?;
+                let lp = backend.logp(&mb, Lora { a, b, scale, block })?;
                 by_gen.insert(*gen, lp);
             }
         }
@@ -909,7 +911,13 @@ pub fn run_update(
     // ---- epochs of AdamW steps ----------------------------------------------------------------
     let device_used = backend.device();
     let shapes: Vec<(usize, usize)> = match (&current.block, block_mode) {
-        (Some(b), true) => b.factors.a.iter().chain(&b.factors.b).map(|m| m.dim()).collect(),
+        (Some(b), true) => b
+            .factors
+            .a
+            .iter()
+            .chain(&b.factors.b)
+            .map(|m| m.dim())
+            .collect(),
         _ => vec![current.a.dim(), current.b.dim()],
     };
     let mut opt = AdamW::new(&shapes);
@@ -977,7 +985,12 @@ pub fn run_update(
             };
             let grads: Vec<Array2<f32>> = grads.into_iter().map(|g| g * clip).collect();
             let mut params: Vec<&mut Array2<f32>> = match current.block.as_mut() {
-                Some(b) if block_mode => b.factors.a.iter_mut().chain(b.factors.b.iter_mut()).collect(),
+                Some(b) if block_mode => b
+                    .factors
+                    .a
+                    .iter_mut()
+                    .chain(b.factors.b.iter_mut())
+                    .collect(),
                 _ => vec![&mut current.a, &mut current.b],
             };
             opt.step(
