@@ -266,9 +266,6 @@ impl DemoArgs {
             c.block_warm = Some(spec.k);
             c.rl.block = Some(spec);
             c.rl.objective.tis_cap = Some(2.0);
-            // the shadow check compares two output LoRAs on one hidden state; two block LoRAs
-            // make different hidden states, so the active adapter replays every scenario
-            c.shadow_gate = false;
         }
         c.stratify = self.stratify == OnOff::On;
         c.paraphrase = self.paraphrase == OnOff::On;

@@ -140,7 +140,8 @@ pub struct DemoConfig {
     pub val_scenarios: usize,
     /// the validation gate plays the candidate with the active adapter as the engines' shadow
     /// ([`Engine::set_shadow`]) and replays with the active adapter only the scenarios where its
-    /// greedy choice differed somewhere (off: the active adapter plays every scenario itself)
+    /// greedy choice differed somewhere (off: the active adapter plays every scenario itself;
+    /// also when the two adapters have different block LoRAs, whose hidden states differ)
     pub shadow_gate: bool,
     /// block warm start: after the output-LoRA warm start, a LoRA on q,v (r = 8) of the last
     /// `k` blocks is trained on the same demonstrations (teacher-forced, block inputs captured
@@ -1040,12 +1041,17 @@ impl<'a> Demo<'a> {
             s.restates = self.cfg.restate;
         }
         let ad = Arc::new(Adapter::load(&adapter_dir(&self.db, candidate))?);
-        self.set_adapter(Some((candidate, ad)))?;
+        self.set_adapter(Some((candidate, ad.clone())))?;
         // with the shadow check, the active adapter's greedy choices are checked along the
         // candidate's sessions: where it agreed at every token it would have played the same
         // session, and only the others are replayed with it
+        // (only between adapters with the same block LoRA: the shadow reads the candidate's
+        // hidden states, which another block LoRA would have made differently)
         let shadow = if self.cfg.shadow_gate {
-            self.active.as_ref().map(|a| a.1.clone())
+            self.active
+                .as_ref()
+                .filter(|a| a.1.block == ad.block)
+                .map(|a| a.1.clone())
         } else {
             None
         };

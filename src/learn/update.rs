@@ -1066,7 +1066,12 @@ pub fn run_update(
                 .iter()
                 .map(|r| {
                     let p = (r - m).exp() / z;
-                    -p * p.ln()
+                    // p ln p → 0 as p → 0 (an underflowed share would give 0 · −inf = NaN)
+                    if p > 0.0 {
+                        -p * p.ln()
+                    } else {
+                        0.0
+                    }
                 })
                 .sum();
             ent_sum += h / (turns.len() as f64).ln();
