@@ -784,3 +784,65 @@ fn an_rl_update_trains_a_block_lora_from_logged_sessions() {
         "successes {won:+.4}, failures {lost:+.4} nats per token"
     );
 }
+
+/// `turnwise demo --quick --adapter block --val 4`: the rollouts log block inputs, every RL
+/// update trains the block LoRA through the block graph (first ratio 1, the output LoRA kept),
+/// and the validation gate replays every scenario with the active adapter (two block LoRAs do
+/// not share hidden states, so the shadow shortcut does not apply).
+#[test]
+fn the_demo_trains_a_block_lora_with_rl() {
+    let dir = tempdir();
+    let out = dir.path().join("run");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_turnwise"))
+        .env("TURNWISE_MODEL", model_path())
+        .args([
+            "demo",
+            "--quick",
+            "--adapter",
+            "block",
+            "--val",
+            "4",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", crate::common::show(&o));
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
+    assert_eq!(r["config"]["rl"]["block"]["k"], 2);
+    let its = r["iterations"].as_array().unwrap();
+    assert!(!its.is_empty());
+    let db = out.join("turnwise.db");
+    let load = |id: i64| {
+        turnwise::adapter::Adapter::load(&turnwise::adapter::adapter_dir(&db, id)).unwrap()
+    };
+    let warm = load(r["warm_adapter"].as_i64().unwrap());
+    let updated: Vec<&serde_json::Value> =
+        its.iter().filter(|it| it["candidate"].is_i64()).collect();
+    assert!(!updated.is_empty(), "no update wrote a candidate");
+    for it in updated {
+        let d = &it["diagnostics"];
+        assert_eq!(d["trained"], "block k=2 q,v r=8", "{it}");
+        assert_eq!(d["sessions_without_block"], 0, "{it}");
+        assert!(d["first_ratio_max_dev"].as_f64().unwrap() < 1e-6, "{it}");
+        assert!(
+            d["turn_entropy"].as_f64().is_some_and(f64::is_finite),
+            "{it}"
+        );
+        if it["validation"].is_array() {
+            assert_eq!(it["gate_replayed"], serde_json::json!([4, 4]), "{it}");
+        }
+        let cand = load(it["candidate"].as_i64().unwrap());
+        assert_eq!(
+            (&cand.a, &cand.b),
+            (&warm.a, &warm.b),
+            "the output LoRA moved"
+        );
+        assert_ne!(cand.block, warm.block, "the block LoRA did not move");
+    }
+    assert!(
+        its.iter().any(|it| it["validation"].is_array()),
+        "no validation gate ran"
+    );
+}

@@ -72,6 +72,7 @@ fn without_times(v: &serde_json::Value) -> serde_json::Value {
                     || k.ends_with("_ms")
                     || k.ends_with("seconds")
                     || k.ends_with("per_s")
+                    || k.ends_with("_mib")
                     || k.as_str() == "out")
             })
             .map(|(k, x)| (k.clone(), without_times(x)))
