@@ -22,6 +22,23 @@ fn spec(k: usize) -> BlockSpec {
     }
 }
 
+/// The ids of the store's (at most 10) finished sessions with an outcome.
+fn finished_sessions(store: &turnwise::store::Store) -> Vec<i64> {
+    store
+        .training_sessions(None, None, true, 10)
+        .unwrap()
+        .iter()
+        .map(|s| s.id)
+        .collect()
+}
+
+/// An engine on the default model that logs the input of its last two blocks.
+fn block_capture_engine() -> turnwise::Engine {
+    let mut cfg = turnwise::EngineConfig::new(model_path());
+    cfg.block_k = Some(2);
+    turnwise::Engine::start(cfg).unwrap()
+}
+
 /// A context on `model` capturing `l_out-{layer}` (and `result_norm` with `hidden`).
 fn capture_context(model: &Model, layer: usize, hidden: bool) -> Context {
     Context::new(
@@ -246,7 +263,6 @@ fn an_imported_peft_block_lora_is_exported_activated_and_hot_swapped() {
     use std::sync::Arc;
     use turnwise::adapter::Adapter;
     use turnwise::policy::{Message, Role, SamplerParams};
-    use turnwise::{Engine, EngineConfig};
 
     let path = model_path();
     let tail = TailModel::from_gguf(&path, 2).unwrap();
@@ -334,7 +350,7 @@ fn an_imported_peft_block_lora_is_exported_activated_and_hot_swapped() {
         crate::common::show(&o)
     );
 
-    let engine = Engine::start(EngineConfig::new(path)).unwrap();
+    let engine = turnwise::Engine::start(turnwise::EngineConfig::new(path)).unwrap();
     let msgs = || {
         vec![
             Message::new(
@@ -373,12 +389,9 @@ fn the_engine_logs_block_inputs_for_every_position_of_a_session() {
     use turnwise::policy::{Message, Role, SamplerParams};
     use turnwise::session::Recorder;
     use turnwise::store::{NewSession, Source, Store};
-    use turnwise::{Engine, EngineConfig};
 
     let path = model_path();
-    let mut cfg = EngineConfig::new(path.clone());
-    cfg.block_k = Some(2);
-    let engine = Engine::start(cfg).unwrap();
+    let engine = block_capture_engine();
     let greedy = SamplerParams {
         temperature: 0.0,
         max_tokens: 12,
@@ -459,12 +472,8 @@ fn logged_sessions_train_a_block_lora_offline() {
     use turnwise::policy::{Message, Role, SamplerParams};
     use turnwise::session::{Feedback, Recorder};
     use turnwise::store::{NewSession, Source, Store};
-    use turnwise::{Engine, EngineConfig};
 
-    let path = model_path();
-    let mut cfg = EngineConfig::new(path);
-    cfg.block_k = Some(2);
-    let engine = Engine::start(cfg).unwrap();
+    let engine = block_capture_engine();
     let dir = tempdir();
     let db = dir.path().join("s.db");
     let mut store = Store::open(&db).unwrap();
@@ -515,12 +524,7 @@ fn logged_sessions_train_a_block_lora_offline() {
         rec.end(&store).unwrap();
         engine.close(key);
     }
-    let ids: Vec<i64> = store
-        .training_sessions(None, None, true, 10)
-        .unwrap()
-        .iter()
-        .map(|s| s.id)
-        .collect();
+    let ids = finished_sessions(&store);
     let (data, skipped) = logged_sessions(&store, &ids, 27, 576).unwrap();
     assert_eq!((data.len(), skipped), (3, 0));
     for c in &data {
@@ -632,12 +636,9 @@ fn an_rl_update_trains_a_block_lora_from_logged_sessions() {
     use turnwise::policy::{Message, OutputHead, Role, SamplerParams};
     use turnwise::session::{Feedback, Recorder};
     use turnwise::store::{NewSession, Source, Store};
-    use turnwise::{Engine, EngineConfig};
 
     let path = model_path();
-    let mut ecfg = EngineConfig::new(path.clone());
-    ecfg.block_k = Some(2);
-    let engine = Engine::start(ecfg).unwrap();
+    let engine = block_capture_engine();
     let dir = tempdir();
     let db = dir.path().join("s.db");
     let mut store = Store::open(&db).unwrap();
@@ -732,12 +733,7 @@ fn an_rl_update_trains_a_block_lora_from_logged_sessions() {
     assert!(r.diagnostics.first_ratio_max_dev.is_some_and(|x| x < 1e-6));
     let model = Model::load(&path, 0).unwrap();
     let mut ctx = capture_context(&model, 25, false);
-    let ids: Vec<i64> = store
-        .training_sessions(None, None, true, 10)
-        .unwrap()
-        .iter()
-        .map(|s| s.id)
-        .collect();
+    let ids = finished_sessions(&store);
     let score = |ctx: &mut Context| -> Vec<(f64, f64)> {
         ids.iter()
             .map(|&id| {

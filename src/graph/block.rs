@@ -152,13 +152,8 @@ impl Builder<'_> {
         match self.spec.targets.iter().position(|t| t == target) {
             Some(ti) => {
                 let (a, b) = self.lora[bi * self.spec.targets.len() + ti];
-                let g = &mut self.g;
-                let at = g.transpose(a);
-                let u = g.matmul(x, at);
-                let bt = g.transpose(b);
-                let l = g.matmul(u, bt);
-                let l = g.mul(l, self.scale);
-                g.add(y, l)
+                let l = self.g.lora_term(x, a, b, self.scale);
+                self.g.add(y, l)
             }
             None => y,
         }
@@ -309,11 +304,7 @@ pub fn build(tail: &TailModel, spec: &BlockSpec, kind: BlockGraphKind, emulate: 
             let out_scale = g.input("out_scale", &[], false);
             let inv_t = g.input("inv_t", &[Sym("T"), Fixed(1)], false);
             let bias = g.input("bias", &[Sym("T"), Fixed(nv)], false);
-            let at = g.transpose(out_a);
-            let u = g.matmul(hn, at);
-            let bt = g.transpose(out_b);
-            let l = g.matmul(u, bt);
-            let l = g.mul(l, out_scale);
+            let l = g.lora_term(hn, out_a, out_b, out_scale);
             let z = g.add(z, l);
             let z = g.mul_bc(z, inv_t, &[1]);
             let z = g.add(z, bias);

@@ -531,6 +531,15 @@ impl Graph {
         )
     }
 
+    /// The LoRA term `scale · (x Aᵀ) Bᵀ` for `A [r, in]`, `B [out, r]` and a scalar `scale`.
+    pub fn lora_term(&mut self, x: V, a: V, b: V, scale: V) -> V {
+        let at = self.transpose(a);
+        let u = self.matmul(x, at);
+        let bt = self.transpose(b);
+        let l = self.matmul(u, bt);
+        self.mul(l, scale)
+    }
+
     /// Matrix transpose.
     pub fn transpose(&mut self, a: V) -> V {
         self.unary(Op::Transpose, "Transpose", a, vec![])

@@ -47,11 +47,7 @@ pub fn build(kind: StepKind, elem: Elem) -> Vec<u8> {
     let b = g.input("b", &[Sym("V"), Sym("R")], true);
     let scale = g.input("scale", &[], false);
     // logits = base + s · (h Aᵀ) Bᵀ
-    let at = g.transpose(a);
-    let u = g.matmul(h, at);
-    let bt = g.transpose(b);
-    let low = g.matmul(u, bt);
-    let low = g.mul(low, scale);
+    let low = g.lora_term(h, a, b, scale);
     let z = g.add(base, low);
     let (loss, lp) = objective(&mut g, kind, z);
     let grads = g.grad(loss, &[a, b]);
