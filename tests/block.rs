@@ -587,17 +587,7 @@ fn logged_sessions_train_a_block_lora_offline() {
 /// demonstrations, it is served for the evaluations, and RL candidates keep it.
 #[test]
 fn the_demo_block_warm_start_serves_and_keeps_the_block_lora() {
-    let dir = tempdir();
-    let out = dir.path().join("run");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_turnwise"))
-        .env("TURNWISE_MODEL", model_path())
-        .args(["demo", "--quick", "--block-warm", "2", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", crate::common::show(&o));
-    let r: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
+    let (_dir, out, _, r) = crate::demo::quick_demo(&["--block-warm", "2"]);
     assert_eq!(r["config"]["block_warm"], 2);
     let warm = r["warm_adapter"].as_i64().unwrap();
     let db = out.join("turnwise.db");
@@ -787,25 +777,7 @@ fn an_rl_update_trains_a_block_lora_from_logged_sessions() {
 /// not share hidden states, so the shadow shortcut does not apply).
 #[test]
 fn the_demo_trains_a_block_lora_with_rl() {
-    let dir = tempdir();
-    let out = dir.path().join("run");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_turnwise"))
-        .env("TURNWISE_MODEL", model_path())
-        .args([
-            "demo",
-            "--quick",
-            "--adapter",
-            "block",
-            "--val",
-            "4",
-            "--out",
-        ])
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", crate::common::show(&o));
-    let r: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
+    let (_dir, out, _, r) = crate::demo::quick_demo(&["--adapter", "block", "--val", "4"]);
     assert_eq!(r["config"]["rl"]["block"]["k"], 2);
     let its = r["iterations"].as_array().unwrap();
     assert!(!its.is_empty());

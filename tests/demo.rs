@@ -45,7 +45,7 @@ fn id_answers(store: &Store) -> Vec<String> {
 /// directory (kept alive by the returned guard), the command's output and `result.json`.
 /// `--gate-kl 100` keeps the KL bound out of the way, and the 60-minute budget is one no machine
 /// reaches, so the iterations asked for always run.
-fn quick_demo(args: &[&str]) -> (tempfile::TempDir, PathBuf, Output, serde_json::Value) {
+pub(crate) fn quick_demo(args: &[&str]) -> (tempfile::TempDir, PathBuf, Output, serde_json::Value) {
     let dir = tempdir();
     let out = dir.path().join("run");
     // the --db of the command line is not used: the run keeps its own log in its directory
