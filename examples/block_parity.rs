@@ -30,6 +30,7 @@ fn main() -> anyhow::Result<()> {
             n_threads: 2,
             capture_hidden: false,
             capture_block: Some(layer),
+            n_seq: 1,
         },
     )?;
     let msgs = [

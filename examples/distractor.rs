@@ -188,6 +188,7 @@ fn main() -> anyhow::Result<()> {
         n_threads: 2,
         capture_hidden,
         capture_block,
+        n_seq: 1,
     };
 
     // base model

@@ -49,6 +49,7 @@ fn capture_context(model: &Model, layer: usize, hidden: bool) -> Context {
             n_threads: 2,
             capture_hidden: hidden,
             capture_block: Some(layer),
+            n_seq: 1,
         },
     )
     .unwrap()

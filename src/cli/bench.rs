@@ -377,6 +377,7 @@ fn block_step(
                 n_threads: cfg.n_threads,
                 capture_hidden: false,
                 capture_block: block_mode.then_some(tail.input_layer()),
+                n_seq: 1,
             },
         )?;
         ctx.set_lora(with.then_some(&adapter))?;

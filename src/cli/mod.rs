@@ -82,6 +82,10 @@ pub struct ModelArgs {
     /// attention)
     #[arg(long, value_name = "K")]
     block_capture: Option<usize>,
+    /// Sessions the engine generates at once (continuous batching: each has its own KV
+    /// sequence of --ctx tokens and every decoding step advances all of them in one batch)
+    #[arg(long, value_name = "N", default_value_t = turnwise::policy::DEFAULT_N_SEQ)]
+    parallel: u32,
 }
 
 impl ModelArgs {
@@ -92,6 +96,7 @@ impl ModelArgs {
         c.n_threads = self.threads;
         c.template = self.template.clone();
         c.block_k = self.block_capture;
+        c.n_seq = self.parallel;
         c.verbose = verbose;
         Ok(c)
     }

@@ -329,6 +329,8 @@ pub struct Machine {
     pub engines: usize,
     /// llama.cpp threads of each engine
     pub threads_per_engine: i32,
+    /// sessions each engine generates at once
+    pub sequences_per_engine: usize,
     /// threads of the learner
     pub train_threads: usize,
     /// Turnwise's version
@@ -356,12 +358,14 @@ impl Machine {
             memory_gib: (kib / (1024.0 * 1024.0) * 10.0).round() / 10.0,
             engines: engines.len(),
             threads_per_engine: engines.first().map_or(0, |e| e.info().n_threads),
+            sequences_per_engine: engines.first().map_or(1, |e| e.info().n_seq),
             train_threads,
             version: env!("CARGO_PKG_VERSION").to_string(),
         }
     }
 
-    /// One line: `2 cores (AMD EPYC …), 23.4 GiB; 2 engines × 1 thread, learner 2 threads`.
+    /// One line: `2 cores (AMD EPYC …), 23.4 GiB; 2 engines × 1 thread × 4 sequences, learner 2
+    /// threads`.
     pub fn line(&self) -> String {
         let cpu = if self.cpu.is_empty() {
             String::new()
@@ -369,11 +373,12 @@ impl Machine {
             format!(" ({})", self.cpu)
         };
         format!(
-            "{} cores{cpu}, {} GiB; {} engine(s) × {} thread(s), learner {} thread(s); turnwise {}",
+            "{} cores{cpu}, {} GiB; {} engine(s) × {} thread(s) × {} sequence(s), learner {} thread(s); turnwise {}",
             self.cores,
             self.memory_gib,
             self.engines,
             self.threads_per_engine,
+            self.sequences_per_engine,
             self.train_threads,
             self.version
         )
@@ -706,11 +711,13 @@ pub fn play(
 }
 
 /// Runs `work` on every job and returns the results in the order of `jobs`, calling `tick`
-/// after each. With `n` engines, engine `w` takes jobs `w, w + n, …` in that order on its own
-/// thread, with its own `init()` state (a store connection). The assignment is fixed, not
-/// first-free: what an engine computes depends on what its KV cache already holds (llama.cpp's
-/// numbers depend on batching), so a fixed order keeps a seeded run reproducible. The first
-/// error stops the other workers and is returned.
+/// after each. Every engine opens as many lanes as it generates sessions at once
+/// ([`Engine::lanes`]), each on its own thread with its own `init()` state (a store
+/// connection); with `n` lanes in all, lane `w` takes jobs `w, w + n, …` in that order, and
+/// lane `w` belongs to engine `w mod engines`. The assignment is fixed, not first-free, and
+/// the engines schedule lanes by what they ask, not by timing: llama.cpp's numbers depend on
+/// which sessions share a batch and on what the KV cache holds, so this keeps a seeded run
+/// reproducible. The first error stops the other lanes and is returned.
 fn on_engines<J: Send, R: Send, S>(
     engines: &[Engine],
     jobs: Vec<J>,
@@ -718,7 +725,23 @@ fn on_engines<J: Send, R: Send, S>(
     work: impl Fn(&Engine, &mut S, J) -> Result<R> + Sync,
     tick: &mut dyn FnMut(),
 ) -> Result<Vec<R>> {
-    let workers = engines.len().max(1);
+    let per_engine = engines
+        .iter()
+        .map(|e| e.info().n_seq.max(1))
+        .min()
+        .unwrap_or(1);
+    // no more lanes than jobs: an idle lane would only hold the others up
+    let per_engine = per_engine.min(jobs.len().div_ceil(engines.len().max(1)).max(1));
+    let mut lanes: Vec<_> = engines
+        .iter()
+        .map(|e| e.lanes(per_engine).into_iter())
+        .collect();
+    // lane w = engine w mod E, its (w div E)-th lane
+    let mut ordered = Vec::with_capacity(engines.len() * per_engine);
+    for _ in 0..per_engine {
+        ordered.extend(lanes.iter_mut().filter_map(Iterator::next));
+    }
+    let workers = ordered.len().max(1);
     let mut shares: Vec<Vec<(usize, J)>> = (0..workers).map(|_| Vec::new()).collect();
     for (i, job) in jobs.into_iter().enumerate() {
         shares[i % workers].push((i, job));
@@ -728,10 +751,10 @@ fn on_engines<J: Send, R: Send, S>(
     let (init, work) = (&init, &work);
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let results = std::thread::scope(|sc| {
-        let handles: Vec<_> = engines
-            .iter()
+        let handles: Vec<_> = ordered
+            .into_iter()
             .zip(shares)
-            .map(|(engine, share)| {
+            .map(|(lane, share)| {
                 let (tx, stop) = (tx.clone(), &stop);
                 sc.spawn(move || -> Result<Vec<(usize, R)>> {
                     let run = || {
@@ -741,12 +764,14 @@ fn on_engines<J: Send, R: Send, S>(
                             if stop.load(Ordering::SeqCst) {
                                 break;
                             }
-                            done.push((i, work(engine, &mut state, job)?));
+                            done.push((i, work(&lane, &mut state, job)?));
                             let _ = tx.send(());
                         }
                         Ok(done)
                     };
                     let r = run();
+                    // the engine stops waiting for this lane
+                    drop(lane);
                     if r.is_err() {
                         stop.store(true, Ordering::SeqCst);
                     }
@@ -939,7 +964,7 @@ impl<'a> Demo<'a> {
         label: &str,
         progress: &mut dyn FnMut(Progress),
     ) -> Result<Vec<Played>> {
-        if self.engines.len() == 1 || jobs.len() < 2 {
+        if jobs.len() < 2 {
             let mut out = Vec::with_capacity(jobs.len());
             for j in jobs {
                 let lib = self.library.as_ref();
@@ -1237,6 +1262,7 @@ impl<'a> Demo<'a> {
                 n_threads: self.cfg.warm.threads as i32,
                 capture_hidden: false,
                 capture_block: Some(tail.input_layer()),
+                n_seq: 1,
             },
         )?;
         let sessions =

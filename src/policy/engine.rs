@@ -1,11 +1,15 @@
 //! The engine thread: the only owner of llama.cpp's model and context.
 //!
 //! Everything else talks to it through an [`Engine`] handle (a command channel with a reply
-//! channel per request), from threads or from async code. The context holds one sequence; a
-//! session's tokens are synchronised into it by keeping the longest common prefix of what is
-//! cached and decoding the rest, so switching between sessions costs only their divergent tail.
+//! channel per request), from threads or from async code. The context holds `n_seq` KV
+//! sequences in one unified cache. A generation takes a free sequence, which is brought up to
+//! the session's tokens by keeping the longest common prefix it (or, shared by a cell copy,
+//! another sequence) already holds and decoding the rest; then every decoding step advances
+//! all generations in flight by one token in a single batch, and new requests join between
+//! steps (continuous batching). Sampling, the output adapter's term, the behaviour log-probs
+//! and the feature capture stay per row.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -40,12 +44,19 @@ pub struct EngineConfig {
     /// data; llama.cpp then runs without flash attention, whose rounding the graph does not
     /// reproduce)
     pub block_k: Option<usize>,
+    /// sessions generated at once: each has its own KV sequence of `n_ctx` tokens, and every
+    /// decoding step advances all of them in one batch (continuous batching)
+    pub n_seq: u32,
     /// show llama.cpp's own log
     pub verbose: bool,
 }
 
+/// Default number of sessions an engine generates at once ([`EngineConfig::n_seq`]).
+pub const DEFAULT_N_SEQ: u32 = 4;
+
 impl EngineConfig {
-    /// Defaults for a model path: 2048-token context, 512-token batches, 2 threads.
+    /// Defaults for a model path: 2048-token context, 512-token batches, 2 threads, 4
+    /// sequences.
     pub fn new(model: impl Into<PathBuf>) -> Self {
         EngineConfig {
             model: model.into(),
@@ -55,6 +66,7 @@ impl EngineConfig {
             template: None,
             capture_hidden: true,
             block_k: None,
+            n_seq: DEFAULT_N_SEQ,
             verbose: false,
         }
     }
@@ -71,8 +83,11 @@ pub struct ModelInfo {
     pub n_vocab: usize,
     /// hidden width
     pub n_embd: usize,
-    /// context window of the engine
+    /// context window of the engine (per session)
     pub n_ctx: usize,
+    /// sessions generated at once ([`EngineConfig::n_seq`])
+    #[serde(default = "one")]
+    pub n_seq: usize,
     /// threads used
     pub n_threads: i32,
     /// the chat template in use (name or text)
@@ -166,7 +181,17 @@ pub struct Rescored {
     pub hidden: Vec<f32>,
 }
 
+fn one() -> usize {
+    1
+}
+
 type Reply1<T> = oneshot::Sender<Result<T>>;
+
+/// A command and the lane it came from ([`Engine::lanes`]).
+struct Envelope {
+    lane: Option<u32>,
+    cmd: Command,
+}
 
 enum Command {
     Generate {
@@ -219,15 +244,75 @@ enum Command {
         with_adapter: bool,
         reply: Reply1<f64>,
     },
+    /// lanes that will send requests from now on ([`Engine::lanes`])
+    Lanes {
+        ids: Vec<u32>,
+    },
+    /// a lane that will send nothing more
+    LaneDone {
+        lane: u32,
+    },
+}
+
+/// Counters of the engine's decoding steps (since it started).
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    /// batched decoding steps (one token of every generation in flight)
+    pub steps: std::sync::atomic::AtomicU64,
+    /// rows those steps decoded (sum of their batch sizes)
+    pub rows: std::sync::atomic::AtomicU64,
+    /// the largest batch of a step
+    pub max_rows: std::sync::atomic::AtomicU64,
+}
+
+impl EngineStats {
+    /// `(steps, rows, max_rows)` now.
+    pub fn snapshot(&self) -> (u64, u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.steps.load(Relaxed),
+            self.rows.load(Relaxed),
+            self.max_rows.load(Relaxed),
+        )
+    }
 }
 
 /// A cloneable handle to the engine thread.
 #[derive(Clone)]
 pub struct Engine {
-    tx: mpsc::Sender<Command>,
+    tx: mpsc::Sender<Envelope>,
     info: Arc<ModelInfo>,
     /// false once the engine thread has ended (returned or panicked)
     alive: Arc<std::sync::atomic::AtomicBool>,
+    /// the lane this handle's requests belong to
+    lane: Option<u32>,
+    /// the next free lane id
+    lane_ids: Arc<std::sync::atomic::AtomicU32>,
+    stats: Arc<EngineStats>,
+}
+
+/// A handle whose requests the engine schedules deterministically with those of its sibling
+/// lanes ([`Engine::lanes`]); dropping it tells the engine that the lane is finished.
+pub struct Lane {
+    engine: Engine,
+}
+
+impl std::ops::Deref for Lane {
+    type Target = Engine;
+    fn deref(&self) -> &Engine {
+        &self.engine
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        if let Some(lane) = self.engine.lane {
+            let _ = self.engine.tx.send(Envelope {
+                lane: None,
+                cmd: Command::LaneDone { lane },
+            });
+        }
+    }
 }
 
 /// Clears the liveness flag when the engine thread ends, however it ends.
@@ -250,11 +335,13 @@ impl Engine {
         let (ready_tx, ready_rx) = mpsc::channel();
         let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let guard = AliveGuard(alive.clone());
+        let stats = Arc::new(EngineStats::default());
+        let worker_stats = stats.clone();
         std::thread::Builder::new()
             .name("turnwise-engine".into())
             .spawn(move || {
                 let _guard = guard;
-                match Worker::load(&cfg) {
+                match Worker::load(&cfg, worker_stats) {
                     Ok(mut w) => {
                         let _ = ready_tx.send(Ok(w.info.clone()));
                         w.run(rx);
@@ -270,7 +357,41 @@ impl Engine {
             tx,
             info: Arc::new(info),
             alive,
+            lane: None,
+            lane_ids: Arc::new(std::sync::atomic::AtomicU32::new(0)),
+            stats,
         })
+    }
+
+    /// Counters of the batched decoding steps.
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// `n` lanes: handles, one per thread, whose requests the engine schedules as a function
+    /// of what they ask, not of when it arrives. While lanes are open the engine takes a
+    /// decoding step only when every lane is either waiting for a reply or finished, and it
+    /// takes waiting requests in lane order; so which sessions share a batch, which KV sequence
+    /// each uses and which cells it gets repeat exactly when the lanes' requests do (a seeded
+    /// run plays the same tokens), however the threads are timed. A lane must keep calling the
+    /// engine until it is dropped: the engine waits for it.
+    pub fn lanes(&self, n: usize) -> Vec<Lane> {
+        let first = self
+            .lane_ids
+            .fetch_add(n as u32, std::sync::atomic::Ordering::SeqCst);
+        let ids: Vec<u32> = (first..first + n as u32).collect();
+        let _ = self.tx.send(Envelope {
+            lane: None,
+            cmd: Command::Lanes { ids: ids.clone() },
+        });
+        ids.into_iter()
+            .map(|id| Lane {
+                engine: Engine {
+                    lane: Some(id),
+                    ..self.clone()
+                },
+            })
+            .collect()
     }
 
     /// Whether the engine thread is still running (it ends only by panicking, or when every
@@ -287,7 +408,10 @@ impl Engine {
     fn call<T>(&self, make: impl FnOnce(Reply1<T>) -> Command) -> oneshot::Receiver<Result<T>> {
         let (tx, rx) = oneshot::channel();
         // a send error drops `tx`, so the receiver reports EngineGone
-        let _ = self.tx.send(make(tx));
+        let _ = self.tx.send(Envelope {
+            lane: self.lane,
+            cmd: make(tx),
+        });
         rx
     }
 
@@ -494,8 +618,70 @@ impl Engine {
 
     /// Forgets a session's in-memory state (its log stays in the store).
     pub fn close(&self, session: u64) {
-        let _ = self.tx.send(Command::Close { session });
+        let _ = self.tx.send(Envelope {
+            lane: self.lane,
+            cmd: Command::Close { session },
+        });
     }
+}
+
+/// One KV sequence of the context and what its cache holds.
+#[derive(Default)]
+struct Slot {
+    /// tokens in this sequence's KV cache
+    cached: Vec<Token>,
+    /// the captured block input of every cached position, `cached.len() × n_embd`
+    block: Vec<f32>,
+    /// the session that last generated here (its prefix is most likely still cached)
+    session: Option<u64>,
+    /// a generation is running in it
+    busy: bool,
+    /// when it was last taken (the least recently used free slot is taken first)
+    used: u64,
+}
+
+/// A generation in flight: the state of one reply between decoding steps.
+struct Gen {
+    session: u64,
+    lane: Option<u32>,
+    slot: usize,
+    /// the session before this request (restored if it fails)
+    previous: Option<Conversation>,
+    prompt: Vec<PromptTurn>,
+    conv: Conversation,
+    params: SamplerParams,
+    stream: Option<UnboundedSender<String>>,
+    reference_logp: Option<f64>,
+    reply: Reply1<Generation>,
+    rng: Rng,
+    utf8: Utf8Stream,
+    text: String,
+    rendered: Vec<u8>,
+    tokens: Vec<Token>,
+    logp_behavior: Vec<f32>,
+    logp_full: Vec<f32>,
+    support: Vec<sampler::Support>,
+    hidden: Vec<f32>,
+    visible_len: Option<usize>,
+    streamed: usize,
+    adapter: Option<(i64, Arc<Adapter>)>,
+    shadow: Option<Arc<Adapter>>,
+    shadow_agrees: bool,
+    context_len: usize,
+    prefill_tokens: usize,
+    prefill_ms: f64,
+    /// when the first token was sampled
+    t1: Instant,
+    /// the sampled token to decode next, at this position
+    next: (Token, usize),
+}
+
+/// What a sampling step leaves to do.
+enum Next {
+    /// decode `Gen::next` and sample again
+    Decode,
+    /// the reply is complete
+    Done(StopReason),
 }
 
 struct Worker {
@@ -506,6 +692,8 @@ struct Worker {
     model: Model,
     info: ModelInfo,
     n_embd: usize,
+    /// tokens per session
+    n_ctx: usize,
     sessions: HashMap<u64, Conversation>,
     /// the token that closes an assistant message in the template
     turn_end: Token,
@@ -520,22 +708,36 @@ struct Worker {
     /// the tokens whose text holds an ASCII digit, with that text: the only ones that can
     /// write into the id slot of `SamplerParams::id_slot` (every other token can only end it)
     digit_pieces: Vec<(usize, String)>,
-    /// tokens currently in the KV cache
-    cached: Vec<Token>,
+    /// the context's KV sequences
+    slots: Vec<Slot>,
+    /// counts slot uses (for least-recently-used)
+    clock: u64,
+    /// generations in flight, in the order they joined
+    active: Vec<Gen>,
+    /// requests not yet taken, in the order they will be
+    queue: VecDeque<Envelope>,
+    /// open lanes ([`Engine::lanes`])
+    lanes: BTreeSet<u32>,
+    /// open lanes that have their reply and will send their next request
+    working: BTreeSet<u32>,
     /// N of the captured `l_out-N` (block capture on)
     block_layer: Option<usize>,
-    /// the captured block input of every cached position, `cached.len() × n_embd`
-    cached_block: Vec<f32>,
     /// per session: positions whose block inputs an earlier reply already returned
     block_given: HashMap<u64, usize>,
     /// adapter applied to the logits before sampling
     adapter: Option<(i64, Arc<Adapter>)>,
     /// adapter whose greedy choices are checked against greedy replies
     shadow: Option<Arc<Adapter>>,
+    stats: Arc<EngineStats>,
+}
+
+/// Length of the common prefix of two token sequences.
+fn common_prefix(a: &[Token], b: &[Token]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 impl Worker {
-    fn load(cfg: &EngineConfig) -> Result<Worker> {
+    fn load(cfg: &EngineConfig, stats: Arc<EngineStats>) -> Result<Worker> {
         llama::init_backend(cfg.verbose);
         let model = Model::load(&cfg.model, 0)?;
         let n_ctx = cfg.n_ctx.min(model.n_ctx_train().max(256) as u32);
@@ -553,6 +755,12 @@ impl Worker {
                 Some(hp.n_layer - k - 1)
             }
         };
+        if cfg.n_seq == 0 || cfg.n_seq > 64 {
+            return Err(Error::Invalid(format!(
+                "{} sequences per engine (1 to 64)",
+                cfg.n_seq
+            )));
+        }
         let ctx = Context::new(
             &model,
             ContextParams {
@@ -561,6 +769,7 @@ impl Worker {
                 n_threads: cfg.n_threads,
                 capture_hidden: cfg.capture_hidden,
                 capture_block: block_layer,
+                n_seq: cfg.n_seq,
             },
         )?;
         let template = match (&cfg.template, model.chat_template()) {
@@ -585,12 +794,13 @@ impl Worker {
             n_vocab: model.n_vocab(),
             n_embd: model.n_embd(),
             n_ctx: ctx.n_ctx(),
+            n_seq: ctx.n_seq(),
             n_threads: cfg.n_threads,
             template,
             feature_dtype: FeatureDtype::for_activation(act_type),
             max_piece_bytes: 1,
         };
-        tracing::info!(model = %info.name, n_ctx = info.n_ctx, "policy engine ready");
+        tracing::info!(model = %info.name, n_ctx = info.n_ctx, n_seq = info.n_seq, "policy engine ready");
         let eog = (0..model.n_vocab() as Token)
             .filter(|&t| model.is_eog(t))
             .collect();
@@ -608,7 +818,6 @@ impl Worker {
         Ok(Worker {
             lora: None,
             block_layer,
-            cached_block: Vec::new(),
             block_given: HashMap::new(),
             assistant_opening,
             turn_end,
@@ -617,128 +826,256 @@ impl Worker {
             digits,
             digit_pieces,
             n_embd: model.n_embd(),
+            n_ctx: ctx.n_ctx(),
+            slots: (0..ctx.n_seq()).map(|_| Slot::default()).collect(),
+            clock: 0,
+            active: Vec::new(),
+            queue: VecDeque::new(),
+            lanes: BTreeSet::new(),
+            working: BTreeSet::new(),
             ctx,
             model,
             info,
             sessions: HashMap::new(),
-            cached: Vec::new(),
             adapter: None,
             shadow: None,
+            stats,
         })
     }
 
-    fn run(&mut self, rx: mpsc::Receiver<Command>) {
-        while let Ok(cmd) = rx.recv() {
-            match cmd {
-                Command::Generate {
-                    session,
-                    messages,
-                    params,
-                    stream,
-                    reference,
-                    reply,
-                } => {
-                    let r = self.generate(
-                        session,
-                        messages,
-                        &params,
-                        stream.as_ref(),
-                        reference.as_ref().map(|(r, a)| (r.as_str(), *a)),
-                    );
-                    let _ = reply.send(r);
-                }
-                Command::Append {
-                    session,
-                    messages,
-                    reply,
-                } => {
-                    let _ = reply.send(self.append(session, messages, false, 0).map(|(t, _)| t));
-                }
-                Command::Rescore {
-                    tokens,
-                    positions,
-                    reply,
-                } => {
-                    let _ = reply.send(self.rescore(&tokens, &positions, false, None));
-                }
-                Command::Tokens { session, reply } => {
-                    let r = self
-                        .sessions
-                        .get(&session)
-                        .map(|c| c.tokens.clone())
-                        .ok_or(Error::UnknownSession(session));
-                    let _ = reply.send(r);
-                }
-                Command::Tokenize { text, reply } => {
-                    let _ = reply.send(self.model.tokenize(&text, false, false));
-                }
-                Command::Close { session } => {
-                    self.sessions.remove(&session);
-                    self.block_given.remove(&session);
-                }
-                Command::Restore {
-                    session,
-                    tokens,
-                    messages,
-                    reply,
-                } => {
-                    let r = if tokens.len() > self.ctx.n_ctx() {
-                        Err(Error::ContextOverflow {
-                            have: tokens.len(),
-                            adding: 0,
-                            needed: tokens.len(),
-                            n_ctx: self.ctx.n_ctx(),
-                        })
-                    } else {
-                        // a BOS the tokenizer added has no text in the rendered template
-                        let skip = usize::from(self.model.add_bos() && !tokens.is_empty());
-                        let bytes: Vec<u8> = tokens[skip..]
-                            .iter()
-                            .flat_map(|&t| self.model.piece(t, true))
-                            .collect();
-                        let rendered = String::from_utf8_lossy(&bytes).into_owned();
-                        self.block_given.remove(&session);
-                        self.sessions.insert(
-                            session,
-                            Conversation {
-                                messages,
-                                tokens,
-                                rendered,
-                            },
-                        );
-                        Ok(())
-                    };
-                    let _ = reply.send(r);
-                }
-                Command::ScoreReference {
-                    prefix,
-                    after_assistant,
-                    reference,
-                    with_adapter,
-                    reply,
-                } => {
-                    let r = self.score_reference(prefix, after_assistant, &reference, with_adapter);
-                    let _ = reply.send(r);
-                }
-                Command::SetAdapter { adapter, reply } => {
-                    let r = self.set_block(adapter.as_ref().and_then(|(_, a)| a.block.as_ref()));
-                    if r.is_ok() {
-                        self.adapter = adapter;
+    /// The scheduler: takes requests, starts what can start, and advances every generation in
+    /// flight by one token per step, all in one batch.
+    fn run(&mut self, rx: mpsc::Receiver<Envelope>) {
+        let mut open = true;
+        loop {
+            // wait for a lane that is between requests, or for work when there is none
+            let idle = self.active.is_empty() && self.queue.is_empty();
+            if open && (idle || !self.working.is_empty()) {
+                match rx.recv() {
+                    Ok(e) => self.receive(e),
+                    Err(_) => {
+                        open = false;
+                        self.lanes.clear();
+                        self.working.clear();
                     }
-                    let _ = reply.send(r);
                 }
-                Command::SetShadow { adapter, reply } => {
-                    self.shadow = adapter;
-                    let _ = reply.send(Ok(()));
+                continue;
+            }
+            if !open && idle {
+                return;
+            }
+            while let Ok(e) = rx.try_recv() {
+                self.receive(e);
+            }
+            if !self.working.is_empty() {
+                continue;
+            }
+            if !self.lanes.is_empty() {
+                // every lane has sent what it will send before this step: take the requests
+                // in lane order, not arrival order
+                self.queue
+                    .make_contiguous()
+                    .sort_by_key(|e| e.lane.map_or(0, |l| u64::from(l) + 1));
+            }
+            while self.queue.front().is_some_and(|e| self.can_start(&e.cmd)) {
+                if let Some(e) = self.queue.pop_front() {
+                    self.execute(e);
                 }
             }
+            if !self.active.is_empty() {
+                self.step();
+            }
         }
+    }
+
+    fn receive(&mut self, e: Envelope) {
+        match e.cmd {
+            Command::Lanes { ids } => {
+                self.lanes.extend(ids.iter().copied());
+                self.working.extend(ids);
+            }
+            Command::LaneDone { lane } => {
+                self.lanes.remove(&lane);
+                self.working.remove(&lane);
+            }
+            cmd => {
+                if let Some(l) = e.lane {
+                    self.working.remove(&l);
+                }
+                self.queue.push_back(Envelope { lane: e.lane, cmd });
+            }
+        }
+    }
+
+    /// A lane's request has been answered: the lane works until its next one.
+    fn answered(&mut self, lane: Option<u32>) {
+        if let Some(l) = lane.filter(|l| self.lanes.contains(l)) {
+            self.working.insert(l);
+        }
+    }
+
+    fn generating(&self, session: u64) -> bool {
+        self.active.iter().any(|g| g.session == session)
+    }
+
+    fn free_slot(&self) -> bool {
+        self.slots.iter().any(|s| !s.busy)
+    }
+
+    /// Whether a request can be taken now: a generation needs a free sequence and its session
+    /// idle; a switch of adapter waits until every generation in flight has finished (they end
+    /// on the adapter they started with).
+    fn can_start(&self, cmd: &Command) -> bool {
+        match cmd {
+            Command::Generate { session, .. } => !self.generating(*session) && self.free_slot(),
+            Command::Append { session, .. }
+            | Command::Tokens { session, .. }
+            | Command::Close { session }
+            | Command::Restore { session, .. } => !self.generating(*session),
+            Command::Rescore { .. } | Command::ScoreReference { .. } => self.free_slot(),
+            Command::SetAdapter { .. } | Command::SetShadow { .. } => self.active.is_empty(),
+            Command::Tokenize { .. } | Command::Lanes { .. } | Command::LaneDone { .. } => true,
+        }
+    }
+
+    fn execute(&mut self, e: Envelope) {
+        let lane = e.lane;
+        match e.cmd {
+            Command::Generate {
+                session,
+                messages,
+                params,
+                stream,
+                reference,
+                reply,
+            } => {
+                // answered now only if it fails or ends at its first token
+                if !self.start_generation(session, messages, params, stream, reference, reply, lane)
+                {
+                    return;
+                }
+            }
+            Command::Append {
+                session,
+                messages,
+                reply,
+            } => {
+                let _ = reply.send(self.append(session, messages, false, 0).map(|(t, _)| t));
+            }
+            Command::Rescore {
+                tokens,
+                positions,
+                reply,
+            } => {
+                let slot = self.take_slot(None, &[]);
+                let _ = reply.send(self.rescore(slot, &tokens, &positions, false, None));
+            }
+            Command::Tokens { session, reply } => {
+                let r = self
+                    .sessions
+                    .get(&session)
+                    .map(|c| c.tokens.clone())
+                    .ok_or(Error::UnknownSession(session));
+                let _ = reply.send(r);
+            }
+            Command::Tokenize { text, reply } => {
+                let _ = reply.send(self.model.tokenize(&text, false, false));
+            }
+            Command::Close { session } => {
+                self.sessions.remove(&session);
+                self.block_given.remove(&session);
+            }
+            Command::Restore {
+                session,
+                tokens,
+                messages,
+                reply,
+            } => {
+                let r = if tokens.len() > self.n_ctx {
+                    Err(Error::ContextOverflow {
+                        have: tokens.len(),
+                        adding: 0,
+                        needed: tokens.len(),
+                        n_ctx: self.n_ctx,
+                    })
+                } else {
+                    // a BOS the tokenizer added has no text in the rendered template
+                    let skip = usize::from(self.model.add_bos() && !tokens.is_empty());
+                    let bytes: Vec<u8> = tokens[skip..]
+                        .iter()
+                        .flat_map(|&t| self.model.piece(t, true))
+                        .collect();
+                    let rendered = String::from_utf8_lossy(&bytes).into_owned();
+                    self.block_given.remove(&session);
+                    self.sessions.insert(
+                        session,
+                        Conversation {
+                            messages,
+                            tokens,
+                            rendered,
+                        },
+                    );
+                    Ok(())
+                };
+                let _ = reply.send(r);
+            }
+            Command::ScoreReference {
+                prefix,
+                after_assistant,
+                reference,
+                with_adapter,
+                reply,
+            } => {
+                let slot = self.take_slot(None, &prefix);
+                let r =
+                    self.score_reference(slot, prefix, after_assistant, &reference, with_adapter);
+                let _ = reply.send(r);
+            }
+            Command::SetAdapter { adapter, reply } => {
+                let r = self.set_block(adapter.as_ref().and_then(|(_, a)| a.block.as_ref()));
+                if r.is_ok() {
+                    self.adapter = adapter;
+                }
+                let _ = reply.send(r);
+            }
+            Command::SetShadow { adapter, reply } => {
+                self.shadow = adapter;
+                let _ = reply.send(Ok(()));
+            }
+            Command::Lanes { .. } | Command::LaneDone { .. } => {}
+        }
+        self.answered(lane);
+    }
+
+    /// Picks the free sequence for a request on `tokens`: the one that already holds the
+    /// longest prefix of them, then the session's own, then the least recently used (ties by
+    /// index, so the choice is a function of the request history alone).
+    fn take_slot(&mut self, session: Option<u64>, tokens: &[Token]) -> usize {
+        let best = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.busy)
+            .max_by_key(|(i, s)| {
+                (
+                    common_prefix(&s.cached, tokens),
+                    session.is_some() && s.session == session,
+                    std::cmp::Reverse(s.used),
+                    std::cmp::Reverse(*i),
+                )
+            })
+            .map(|(i, _)| i)
+            .unwrap_or(0);
+        self.clock += 1;
+        self.slots[best].used = self.clock;
+        best
     }
 
     /// Makes `block` the LoRA llama.cpp applies inside the blocks (loaded from a GGUF LoRA
     /// written to a temporary file), unless it already is. llama.cpp keeps the KV cache on a
     /// switch, so every cached position — computed under the other adapter — is dropped; the
-    /// previous adapter is freed once the context no longer holds it.
+    /// previous adapter is freed once the context no longer holds it. Runs only when no
+    /// generation is in flight.
     fn set_block(&mut self, block: Option<&crate::adapter::block::BlockLora>) -> Result<()> {
         let same = match (&self.lora, block) {
             (None, None) => true,
@@ -763,7 +1100,9 @@ impl Worker {
             }
         };
         self.ctx.set_lora(loaded.as_ref().map(|(_, l)| l))?;
-        self.truncate_cache(0);
+        for s in 0..self.slots.len() {
+            self.truncate_cache(s, 0);
+        }
         self.lora = loaded;
         Ok(())
     }
@@ -802,30 +1141,42 @@ impl Worker {
             turns.push(t);
         }
         let needed = conv.tokens.len() + reserve;
-        if needed > self.ctx.n_ctx() {
+        if needed > self.n_ctx {
             return Err(Error::ContextOverflow {
                 have: before,
                 adding: needed - before,
                 needed,
-                n_ctx: self.ctx.n_ctx(),
+                n_ctx: self.n_ctx,
             });
         }
         self.sessions.insert(session, conv.clone());
         Ok((turns, conv))
     }
 
-    /// Brings the KV cache to `tokens` and returns the hidden state and logits of the last row.
-    fn sync(&mut self, tokens: &[Token]) -> Result<(Vec<f32>, Vec<f32>, usize)> {
-        let mut keep = self
-            .cached
-            .iter()
-            .zip(tokens)
-            .take_while(|(a, b)| a == b)
-            .count();
+    /// Brings sequence `slot` to `tokens` and returns the hidden state and logits of the last
+    /// row, and how many tokens were decoded. A longer prefix of `tokens` held by another
+    /// sequence is shared (its cells copied) instead of decoded again.
+    fn sync(&mut self, slot: usize, tokens: &[Token]) -> Result<(Vec<f32>, Vec<f32>, usize)> {
+        let own = common_prefix(&self.slots[slot].cached, tokens);
+        let donor = (0..self.slots.len())
+            .filter(|&s| s != slot)
+            .map(|s| (common_prefix(&self.slots[s].cached, tokens), s))
+            .max_by_key(|&(n, s)| (n, std::cmp::Reverse(s)));
+        let mut keep = own;
+        if let Some((n, src)) = donor.filter(|&(n, _)| n > own) {
+            self.ctx.copy_prefix(src, slot, n);
+            let (cached, block) = (
+                self.slots[src].cached[..n].to_vec(),
+                self.slots[src].block[..self.slots[src].block.len().min(n * self.n_embd)].to_vec(),
+            );
+            self.slots[slot].cached = cached;
+            self.slots[slot].block = block;
+            keep = n;
+        }
         if keep == tokens.len() {
             keep = keep.saturating_sub(1); // we need the last row's logits again
         }
-        self.truncate_cache(keep);
+        self.truncate_cache(slot, keep);
         let mut last = (Vec::new(), Vec::new());
         let nb = self.ctx.n_batch();
         let mut pos = keep;
@@ -837,7 +1188,7 @@ impl Worker {
             if is_last {
                 outputs[chunk.len() - 1] = true;
             }
-            let h = self.decode(chunk, pos, &outputs)?;
+            let h = self.decode(slot, chunk, pos, &outputs)?;
             if is_last {
                 last = (h, self.ctx.logits(chunk.len() - 1).to_vec());
             }
@@ -846,211 +1197,364 @@ impl Worker {
         Ok((last.0, last.1, tokens.len() - keep))
     }
 
-    /// Drops KV-cache entries (and their captured block inputs) from position `keep` on.
-    fn truncate_cache(&mut self, keep: usize) {
-        self.ctx.truncate(keep);
-        self.cached.truncate(keep);
-        self.cached_block.truncate(keep * self.n_embd);
+    /// Drops sequence `slot`'s KV-cache entries (and captured block inputs) from `keep` on.
+    fn truncate_cache(&mut self, slot: usize, keep: usize) {
+        self.ctx.truncate_seq(slot, keep);
+        let s = &mut self.slots[slot];
+        s.cached.truncate(keep);
+        s.block.truncate(keep * self.n_embd);
     }
 
-    fn decode(&mut self, tokens: &[Token], start: usize, outputs: &[bool]) -> Result<Vec<f32>> {
-        match self.ctx.decode(tokens, start, outputs) {
+    /// Decodes consecutive tokens of one sequence ([`Worker::decode_rows`]).
+    fn decode(
+        &mut self,
+        slot: usize,
+        tokens: &[Token],
+        start: usize,
+        outputs: &[bool],
+    ) -> Result<Vec<f32>> {
+        let rows: Vec<llama::Row> = tokens
+            .iter()
+            .zip(outputs)
+            .enumerate()
+            .map(|(i, (&token, &output))| llama::Row {
+                token,
+                pos: start + i,
+                seq: slot,
+                output,
+            })
+            .collect();
+        self.decode_rows(&rows)
+    }
+
+    /// Decodes a batch of rows and keeps each sequence's cache record; returns the output rows'
+    /// hidden states rounded as the output matmul rounds them. On failure every sequence in the
+    /// batch is dropped (its cache state is unknown).
+    fn decode_rows(&mut self, rows: &[llama::Row]) -> Result<Vec<f32>> {
+        match self.ctx.decode_rows(rows) {
             Ok(h) => {
-                self.cached.extend_from_slice(tokens);
-                if self.block_layer.is_some() {
-                    let rows = self.ctx.take_block_rows();
-                    self.cached_block.extend_from_slice(&rows);
+                let block = if self.block_layer.is_some() {
+                    self.ctx.take_block_rows()
+                } else {
+                    Vec::new()
+                };
+                let n = self.n_embd;
+                for (i, r) in rows.iter().enumerate() {
+                    let s = &mut self.slots[r.seq];
+                    s.cached.push(r.token);
+                    if let Some(b) = block.get(i * n..(i + 1) * n) {
+                        s.block.extend_from_slice(b);
+                    }
                 }
                 // store exactly what the output matmul multiplied with
                 let mut out = Vec::with_capacity(h.len());
-                for row in h.chunks_exact(self.n_embd) {
+                for row in h.chunks_exact(n) {
                     out.extend(llama::round_through(self.act_type, row)?);
                 }
                 Ok(out)
             }
             Err(e) => {
-                // the cache state is unknown after a failed decode: start over next time
-                self.truncate_cache(0);
+                let mut seqs: Vec<usize> = rows.iter().map(|r| r.seq).collect();
+                seqs.dedup();
+                for s in seqs {
+                    self.truncate_cache(s, 0);
+                }
                 Err(e)
             }
         }
     }
 
-    fn generate(
+    /// Takes a generation request: appends the messages, scores the reference, brings a free
+    /// sequence up to the prompt and samples the first token. Returns whether the request was
+    /// answered (it failed, or the reply ended at once); otherwise it is in flight.
+    #[allow(clippy::too_many_arguments)]
+    fn start_generation(
         &mut self,
         session: u64,
         messages: Vec<Message>,
-        p: &SamplerParams,
-        stream: Option<&UnboundedSender<String>>,
-        reference: Option<(&str, bool)>,
-    ) -> Result<Generation> {
-        if p.max_tokens == 0 {
-            return Err(Error::Invalid("max_tokens must be at least 1".into()));
-        }
+        params: SamplerParams,
+        stream: Option<UnboundedSender<String>>,
+        reference: Option<(String, bool)>,
+        reply: Reply1<Generation>,
+        lane: Option<u32>,
+    ) -> bool {
         let previous = self.sessions.get(&session).cloned();
-        let (prompt, conv) = self.append(session, messages, true, p.max_tokens)?;
-        // the reference after the prompt: its tokens are decoded after the prompt and the
-        // reply's sampling then keeps the prompt's cache (one row of it is decoded again)
-        let scored = match reference {
-            Some((r, a)) => self
-                .score_reference(conv.tokens.clone(), false, r, a)
-                .map(Some),
-            None => Ok(None),
-        };
-        let result = scored.and_then(|lp| self.sample_reply(conv, p, stream).map(|r| (r, lp)));
-        match result {
-            Ok(((conv, mut reply), reference_logp)) => {
-                if let Some(layer) = self.block_layer {
-                    // the cache holds exactly this session's decoded positions now
-                    let end = self.cached.len();
-                    let first = self
-                        .block_given
-                        .get(&session)
-                        .copied()
-                        .unwrap_or(0)
-                        .min(end);
-                    let n = self.n_embd;
-                    reply.block = Some(crate::store::BlockFeatures {
-                        layer,
-                        n_embd: n,
-                        first_pos: first,
-                        values: self.cached_block[first * n..end * n].to_vec(),
-                    });
-                    self.block_given.insert(session, end);
-                }
-                self.sessions.insert(session, conv);
-                Ok(Generation {
-                    prompt,
-                    reply,
-                    reference_logp,
-                })
+        let started = (|| {
+            if params.max_tokens == 0 {
+                return Err(Error::Invalid("max_tokens must be at least 1".into()));
             }
+            let (prompt, conv) = self.append(session, messages, true, params.max_tokens)?;
+            let slot = self.take_slot(Some(session), &conv.tokens);
+            // the reference after the prompt: its tokens are decoded after the prompt and the
+            // reply's sampling then keeps the prompt's cache (one row of it is decoded again)
+            let reference_logp = match &reference {
+                Some((r, a)) => {
+                    Some(self.score_reference(slot, conv.tokens.clone(), false, r, *a)?)
+                }
+                None => None,
+            };
+            let t0 = Instant::now();
+            let (h, logits, prefill_tokens) = self.sync(slot, &conv.tokens)?;
+            Ok((
+                prompt,
+                conv,
+                slot,
+                reference_logp,
+                h,
+                logits,
+                prefill_tokens,
+                t0,
+            ))
+        })();
+        let (prompt, conv, slot, reference_logp, h, logits, prefill_tokens, t0) = match started {
+            Ok(s) => s,
             Err(e) => {
-                // leave the session as it was before this request
-                match previous {
-                    Some(c) => self.sessions.insert(session, c),
-                    None => self.sessions.remove(&session),
-                };
-                Err(e)
+                self.restore_session(session, previous);
+                let _ = reply.send(Err(e));
+                return true;
+            }
+        };
+        let context_len = conv.tokens.len();
+        let mut g = Gen {
+            session,
+            lane,
+            slot,
+            previous,
+            prompt,
+            conv,
+            rng: Rng::new(params.seed),
+            stream,
+            reference_logp,
+            reply,
+            utf8: Utf8Stream::default(),
+            text: String::new(),
+            rendered: Vec::new(),
+            tokens: Vec::new(),
+            logp_behavior: Vec::new(),
+            logp_full: Vec::new(),
+            support: Vec::new(),
+            hidden: Vec::with_capacity(params.max_tokens.min(4096) * self.n_embd),
+            visible_len: None,
+            streamed: 0,
+            adapter: self.adapter.clone(),
+            shadow: self.shadow.clone().filter(|_| params.temperature <= 0.0),
+            shadow_agrees: true,
+            context_len,
+            prefill_tokens,
+            prefill_ms: t0.elapsed().as_secs_f64() * 1e3,
+            t1: Instant::now(),
+            next: (0, 0),
+            params,
+        };
+        self.slots[slot].busy = true;
+        self.slots[slot].session = Some(session);
+        match self.sample(&mut g, h, logits) {
+            Next::Decode => {
+                self.active.push(g);
+                false
+            }
+            Next::Done(stop) => {
+                self.finish(g, stop);
+                true
             }
         }
     }
 
-    fn sample_reply(
-        &mut self,
-        mut conv: Conversation,
-        p: &SamplerParams,
-        stream: Option<&UnboundedSender<String>>,
-    ) -> Result<(Conversation, Reply)> {
-        let t0 = Instant::now();
-        let context_len = conv.tokens.len();
-        let (mut h, mut logits, prefill_tokens) = self.sync(&conv.tokens)?;
-        let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let t1 = Instant::now();
-        let mut rng = Rng::new(p.seed);
-        let mut utf8 = Utf8Stream::default();
-        let (mut text, mut rendered) = (String::new(), Vec::<u8>::new());
-        let mut tokens = Vec::new();
-        let (mut lb, mut lf) = (Vec::new(), Vec::new());
-        let mut support = Vec::new();
-        let mut hidden = Vec::with_capacity(p.max_tokens * self.n_embd);
-        let mut visible_len = None;
-        let mut streamed = 0usize;
-        let adapter = self.adapter.clone();
-        let shadow = self.shadow.clone().filter(|_| p.temperature <= 0.0);
-        let mut shadow_agrees = true;
-        let stop = loop {
-            // the shadow's logits: the same base logits with its own low-rank term
-            let mut shadow_logits = shadow.as_ref().map(|sh| {
-                let mut l = logits.clone();
-                sh.apply(&h, &mut l);
-                l
-            });
-            if let Some((_, a)) = &adapter {
-                a.apply(&h, &mut logits);
-            }
-            let slotted = self.constrain(&mut logits, &text, p);
-            let digits = &self.digits;
-            let is_digit = |t: i32| usize::try_from(t).is_ok_and(|t| digits.get(t) == Some(&true));
-            let drawn_from = slotted.as_deref().unwrap_or(&logits);
-            let dist = sampler::distribution_with(drawn_from, p, &is_digit);
-            let mut s = sampler::sample_dist(drawn_from, &dist, &mut rng);
-            // what the learner must mask to recompute this distribution from the logits:
-            // the ignored end tokens and what the id slot took out
-            let mut dropped: Vec<u32> = Vec::new();
-            if p.ignore_eog {
-                dropped.extend(self.eog.iter().map(|&t| t as u32));
-            }
-            if let Some(sl) = slotted.as_deref() {
-                dropped.extend(
-                    sl.iter()
-                        .zip(&logits)
-                        .enumerate()
-                        .filter(|(_, (m, l))| m.is_infinite() && l.is_finite())
-                        .map(|(i, _)| i as u32),
-                );
-            }
-            support.push(sampler::Support::of(&dist, logits.len(), dropped));
-            if let Some(sl) = shadow_logits.as_mut() {
-                let masked = self.constrain(sl, &text, p);
-                let mut top = sampler::top_k(masked.as_deref().unwrap_or(sl), 2);
-                top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-                let wins = match top.as_slice() {
-                    [best, second, ..] => best.0 == s.token && best.1 - second.1 > SHADOW_MARGIN,
-                    [best] => best.0 == s.token,
-                    [] => false,
-                };
-                shadow_agrees &= wins;
-            }
-            if slotted.is_some() {
-                // the full log-prob stays that of the unconstrained softmax, as the learner
-                // computes it; the behaviour log-prob is the constrained distribution's
-                s.logp_full =
-                    (logits[s.token as usize] as f64 - sampler::logsumexp(&logits)) as f32;
-            }
-            tokens.push(s.token);
-            lb.push(s.logp_behavior);
-            lf.push(s.logp_full);
-            hidden.extend_from_slice(&h);
-            rendered.extend(self.model.piece(s.token, true));
-            if self.model.is_eog(s.token) {
-                break StopReason::EndOfTurn;
-            }
-            let piece = utf8.push(&self.model.piece(s.token, false));
-            if !piece.is_empty() {
-                text.push_str(&piece);
-                let cut = p.stop.iter().filter_map(|st| text.find(st.as_str())).min();
-                let upto = cut.unwrap_or(text.len());
-                if let Some(tx) = stream.filter(|_| upto > streamed) {
-                    if tx.send(text[streamed..upto].to_string()).is_err() {
-                        break StopReason::Cancelled;
-                    }
-                    streamed = upto;
+    /// One decoding step: the next token of every generation in flight, in one batch.
+    fn step(&mut self) {
+        let rows: Vec<llama::Row> = self
+            .active
+            .iter()
+            .map(|g| llama::Row {
+                token: g.next.0,
+                pos: g.next.1,
+                seq: g.slot,
+                output: true,
+            })
+            .collect();
+        let gens = std::mem::take(&mut self.active);
+        {
+            use std::sync::atomic::Ordering::Relaxed;
+            self.stats.steps.fetch_add(1, Relaxed);
+            self.stats.rows.fetch_add(rows.len() as u64, Relaxed);
+            self.stats.max_rows.fetch_max(rows.len() as u64, Relaxed);
+        }
+        let h = match self.decode_rows(&rows) {
+            Ok(h) => h,
+            Err(e) => {
+                let msg = e.to_string();
+                for g in gens {
+                    self.fail(g, Error::Llama(msg.clone()));
                 }
-                if cut.is_some() {
-                    visible_len = cut;
-                    break StopReason::StopString;
-                }
+                return;
             }
-            if tokens.len() >= p.max_tokens {
-                break StopReason::MaxTokens;
-            }
-            let pos = context_len + tokens.len() - 1;
-            h = self.decode(&[s.token], pos, &[true])?;
-            logits = self.ctx.logits(0).to_vec();
         };
+        let n = self.n_embd;
+        for (i, mut g) in gens.into_iter().enumerate() {
+            let hs = h.get(i * n..(i + 1) * n).unwrap_or(&[]).to_vec();
+            let logits = self.ctx.logits(i).to_vec();
+            match self.sample(&mut g, hs, logits) {
+                Next::Decode => self.active.push(g),
+                Next::Done(stop) => self.finish(g, stop),
+            }
+        }
+    }
+
+    /// Samples one token of `g` from the logits (and hidden state) of its last row.
+    fn sample(&self, g: &mut Gen, h: Vec<f32>, mut logits: Vec<f32>) -> Next {
+        let p = &g.params;
+        // the shadow's logits: the same base logits with its own low-rank term
+        let mut shadow_logits = g.shadow.as_ref().map(|sh| {
+            let mut l = logits.clone();
+            sh.apply(&h, &mut l);
+            l
+        });
+        if let Some((_, a)) = &g.adapter {
+            a.apply(&h, &mut logits);
+        }
+        let slotted = self.constrain(&mut logits, &g.text, p);
+        let digits = &self.digits;
+        let is_digit = |t: i32| usize::try_from(t).is_ok_and(|t| digits.get(t) == Some(&true));
+        let drawn_from = slotted.as_deref().unwrap_or(&logits);
+        let dist = sampler::distribution_with(drawn_from, p, &is_digit);
+        let mut s = sampler::sample_dist(drawn_from, &dist, &mut g.rng);
+        // what the learner must mask to recompute this distribution from the logits:
+        // the ignored end tokens and what the id slot took out
+        let mut dropped: Vec<u32> = Vec::new();
+        if p.ignore_eog {
+            dropped.extend(self.eog.iter().map(|&t| t as u32));
+        }
+        if let Some(sl) = slotted.as_deref() {
+            dropped.extend(
+                sl.iter()
+                    .zip(&logits)
+                    .enumerate()
+                    .filter(|(_, (m, l))| m.is_infinite() && l.is_finite())
+                    .map(|(i, _)| i as u32),
+            );
+        }
+        g.support
+            .push(sampler::Support::of(&dist, logits.len(), dropped));
+        if let Some(sl) = shadow_logits.as_mut() {
+            let masked = self.constrain(sl, &g.text, p);
+            let mut top = sampler::top_k(masked.as_deref().unwrap_or(sl), 2);
+            top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let wins = match top.as_slice() {
+                [best, second, ..] => best.0 == s.token && best.1 - second.1 > SHADOW_MARGIN,
+                [best] => best.0 == s.token,
+                [] => false,
+            };
+            g.shadow_agrees &= wins;
+        }
+        if slotted.is_some() {
+            // the full log-prob stays that of the unconstrained softmax, as the learner
+            // computes it; the behaviour log-prob is the constrained distribution's
+            s.logp_full = (logits[s.token as usize] as f64 - sampler::logsumexp(&logits)) as f32;
+        }
+        g.tokens.push(s.token);
+        g.logp_behavior.push(s.logp_behavior);
+        g.logp_full.push(s.logp_full);
+        g.hidden.extend_from_slice(&h);
+        g.rendered.extend(self.model.piece(s.token, true));
+        if self.model.is_eog(s.token) {
+            return Next::Done(StopReason::EndOfTurn);
+        }
+        let piece = g.utf8.push(&self.model.piece(s.token, false));
+        if !piece.is_empty() {
+            g.text.push_str(&piece);
+            let cut = p
+                .stop
+                .iter()
+                .filter_map(|st| g.text.find(st.as_str()))
+                .min();
+            let upto = cut.unwrap_or(g.text.len());
+            if let Some(tx) = g.stream.as_ref().filter(|_| upto > g.streamed) {
+                if tx.send(g.text[g.streamed..upto].to_string()).is_err() {
+                    return Next::Done(StopReason::Cancelled);
+                }
+                g.streamed = upto;
+            }
+            if cut.is_some() {
+                g.visible_len = cut;
+                return Next::Done(StopReason::StopString);
+            }
+        }
+        if g.tokens.len() >= p.max_tokens {
+            return Next::Done(StopReason::MaxTokens);
+        }
+        g.next = (s.token, g.context_len + g.tokens.len() - 1);
+        Next::Decode
+    }
+
+    /// Completes a reply: the session takes it, the block inputs it covered are attached, and
+    /// the caller gets it.
+    fn finish(&mut self, g: Gen, stop: StopReason) {
+        let Gen {
+            session,
+            lane,
+            slot,
+            prompt,
+            mut conv,
+            reference_logp,
+            reply,
+            mut utf8,
+            mut text,
+            rendered,
+            tokens,
+            logp_behavior,
+            logp_full,
+            support,
+            hidden,
+            visible_len,
+            adapter,
+            shadow,
+            shadow_agrees,
+            context_len,
+            prefill_tokens,
+            prefill_ms,
+            t1,
+            ..
+        } = g;
         text.push_str(&utf8.finish());
         let visible = text[..visible_len.unwrap_or(text.len())].to_string();
         conv.push_reply(text.clone(), &tokens, &String::from_utf8_lossy(&rendered));
-        let reply = Reply {
+        let block = self.block_layer.map(|layer| {
+            // the sequence holds exactly this session's decoded positions now
+            let s = &self.slots[slot];
+            let end = s.cached.len();
+            let first = self
+                .block_given
+                .get(&session)
+                .copied()
+                .unwrap_or(0)
+                .min(end);
+            let n = self.n_embd;
+            crate::store::BlockFeatures {
+                layer,
+                n_embd: n,
+                first_pos: first,
+                values: s
+                    .block
+                    .get(first * n..end * n)
+                    .map(<[f32]>::to_vec)
+                    .unwrap_or_default(),
+            }
+        });
+        if let Some(b) = &block {
+            self.block_given
+                .insert(session, b.first_pos + b.values.len() / self.n_embd);
+        }
+        self.slots[slot].busy = false;
+        self.sessions.insert(session, conv);
+        let reply_value = Reply {
             text,
             visible,
             tokens,
-            logp_behavior: lb,
-            logp_full: lf,
+            logp_behavior,
+            logp_full,
             support,
             hidden,
-            block: None,
+            block,
             stop,
             context_len,
             prefill_tokens,
@@ -1059,7 +1563,27 @@ impl Worker {
             adapter_id: adapter.map(|(id, _)| id),
             shadow_agrees: shadow.map(|_| shadow_agrees),
         };
-        Ok((conv, reply))
+        let _ = reply.send(Ok(Generation {
+            prompt,
+            reply: reply_value,
+            reference_logp,
+        }));
+        self.answered(lane);
+    }
+
+    /// Ends a generation with an error; its session is left as it was before the request.
+    fn fail(&mut self, g: Gen, e: Error) {
+        self.slots[g.slot].busy = false;
+        self.restore_session(g.session, g.previous);
+        let _ = g.reply.send(Err(e));
+        self.answered(g.lane);
+    }
+
+    fn restore_session(&mut self, session: u64, previous: Option<Conversation>) {
+        match previous {
+            Some(c) => self.sessions.insert(session, c),
+            None => self.sessions.remove(&session),
+        };
     }
 
     /// Applies the request's constraints to `logits`: end-of-generation tokens masked in place
@@ -1108,6 +1632,7 @@ impl Worker {
 
     fn score_reference(
         &mut self,
+        slot: usize,
         mut tokens: Vec<Token>,
         after_assistant: bool,
         reference: &str,
@@ -1131,27 +1656,29 @@ impl Worker {
             .as_ref()
             .filter(|_| with_adapter)
             .map(|a| a.1.clone());
-        let r = self.rescore(&tokens, &positions, true, adapter.as_deref())?;
+        let r = self.rescore(slot, &tokens, &positions, true, adapter.as_deref())?;
         Ok(r.logp.iter().map(|&x| x as f64).sum::<f64>() / r.logp.len() as f64)
     }
 
-    /// Log-probs and hidden states of `positions`. With `reuse_prefix` the cached prefix shared
-    /// with `tokens` (up to the first scored row) is kept; without it everything is decoded from
+    /// Log-probs and hidden states of `positions`, decoded in sequence `slot`. With
+    /// `reuse_prefix` the cached prefix shared with `tokens` (up to the first scored row) is
+    /// kept; without it everything is decoded from
     /// scratch in `n_batch` chunks, as an import's rescoring always is. With `adapter`, its
     /// low-rank term is added to every scored row's logits before the log-softmax.
     fn rescore(
         &mut self,
+        slot: usize,
         tokens: &[Token],
         positions: &[usize],
         reuse_prefix: bool,
         adapter: Option<&Adapter>,
     ) -> Result<Rescored> {
-        if tokens.len() > self.ctx.n_ctx() {
+        if tokens.len() > self.n_ctx {
             return Err(Error::ContextOverflow {
                 have: 0,
                 adding: tokens.len(),
                 needed: tokens.len(),
-                n_ctx: self.ctx.n_ctx(),
+                n_ctx: self.n_ctx,
             });
         }
         let mut want = vec![false; tokens.len()];
@@ -1166,23 +1693,18 @@ impl Worker {
         }
         let first_row = want.iter().position(|&w| w).unwrap_or(0);
         let keep = if reuse_prefix {
-            self.cached
-                .iter()
-                .zip(tokens)
-                .take_while(|(a, b)| a == b)
-                .count()
-                .min(first_row)
+            common_prefix(&self.slots[slot].cached, tokens).min(first_row)
         } else {
             0
         };
-        self.truncate_cache(keep);
+        self.truncate_cache(slot, keep);
         let mut by_row: HashMap<usize, (f32, Vec<f32>)> = HashMap::new();
         let nb = self.ctx.n_batch();
         let mut pos = keep;
         while pos < tokens.len() {
             let end = (pos + nb).min(tokens.len());
             let outputs = &want[pos..end];
-            let h = self.decode(&tokens[pos..end], pos, outputs)?;
+            let h = self.decode(slot, &tokens[pos..end], pos, outputs)?;
             let rows = outputs
                 .iter()
                 .enumerate()

@@ -377,15 +377,34 @@ pub struct ContextParams {
     /// capture `l_out-N` (the output of block N) for every row, and run attention without
     /// flash attention (whose f16 accumulation the block-LoRA graph does not reproduce)
     pub capture_block: Option<usize>,
+    /// sequences the context holds at once (each up to `n_ctx` tokens; the KV cache is one
+    /// unified buffer of `n_ctx × n_seq` cells, so a prefix copied between sequences shares its
+    /// cells)
+    pub n_seq: u32,
 }
 
-/// A llama.cpp context with one sequence and a reusable batch.
+/// One row of a batch: `token` of sequence `seq` at position `pos`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Row {
+    /// the token
+    pub token: Token,
+    /// its position in its sequence
+    pub pos: usize,
+    /// the sequence (`0..n_seq`)
+    pub seq: usize,
+    /// whether logits (and the captured hidden state) of this row are wanted
+    pub output: bool,
+}
+
+/// A llama.cpp context with `n_seq` sequences and a reusable batch.
 pub struct Context {
     ptr: NonNull<sys::llama_context>,
     batch: sys::llama_batch,
     capture: Box<Capture>,
     n_batch: usize,
+    /// tokens per sequence
     n_ctx: usize,
+    n_seq: usize,
     n_vocab: usize,
 }
 
@@ -409,10 +428,13 @@ impl Context {
         // address is stable and which lives as long as the context (dropped after it).
         let ptr = unsafe {
             let mut cp = sys::llama_context_default_params();
-            cp.n_ctx = p.n_ctx;
+            cp.n_ctx = p.n_ctx.saturating_mul(p.n_seq.max(1));
             cp.n_batch = p.n_batch;
             cp.n_ubatch = p.n_batch;
-            cp.n_seq_max = 1;
+            cp.n_seq_max = p.n_seq.max(1);
+            // one buffer for every sequence: a batch is then one micro-batch in row order (the
+            // capture callback sees rows as the batch lists them) and prefixes can be shared
+            cp.kv_unified = true;
             cp.n_threads = p.n_threads;
             cp.n_threads_batch = p.n_threads;
             cp.embeddings = false;
@@ -429,8 +451,9 @@ impl Context {
         let ptr = NonNull::new(ptr).ok_or_else(|| {
             Error::Llama(format!("could not create a context of {} tokens", p.n_ctx))
         })?;
+        let n_seq = p.n_seq.max(1) as usize;
         // SAFETY: ptr is live.
-        let n_ctx = unsafe { sys::llama_n_ctx(ptr.as_ptr()) as usize };
+        let n_ctx = unsafe { sys::llama_n_ctx(ptr.as_ptr()) as usize } / n_seq;
         // SAFETY: allocates a token batch of n_batch rows for one sequence.
         let batch = unsafe { sys::llama_batch_init(p.n_batch as i32, 0, 1) };
         Ok(Context {
@@ -439,13 +462,19 @@ impl Context {
             capture,
             n_batch: p.n_batch as usize,
             n_ctx,
+            n_seq,
             n_vocab: model.n_vocab(),
         })
     }
 
-    /// The context window in tokens.
+    /// The context window of one sequence in tokens.
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
+    }
+
+    /// The number of sequences.
+    pub fn n_seq(&self) -> usize {
+        self.n_seq
     }
 
     /// Largest number of tokens decoded in one call.
@@ -453,41 +482,93 @@ impl Context {
         self.n_batch
     }
 
-    /// Drops KV-cache entries from position `from` on (the sequence is truncated to `from`).
+    /// Drops sequence 0's KV-cache entries from position `from` on.
     pub fn truncate(&mut self, from: usize) {
-        // SAFETY: ctx is live; memory handle belongs to it; seq 0 is the only sequence.
+        self.truncate_seq(0, from);
+    }
+
+    /// Drops sequence `seq`'s KV-cache entries from position `from` on (cells another sequence
+    /// shares stay for it).
+    pub fn truncate_seq(&mut self, seq: usize, from: usize) {
+        // SAFETY: ctx is live; the memory handle belongs to it; an unknown seq id is a no-op.
         unsafe {
             let mem = sys::llama_get_memory(self.ptr.as_ptr());
-            sys::llama_memory_seq_rm(mem, 0, from as i32, -1);
+            sys::llama_memory_seq_rm(mem, seq as i32, from as i32, -1);
         }
     }
 
-    /// Decodes `tokens` at positions `start..`, requesting outputs on the rows where
-    /// `outputs[i]` is true. Returns the hidden states of the output rows (row-major,
-    /// `n_embd` each) when capture is on; logits are then read with [`Context::logits`].
+    /// Makes positions `0..len` of sequence `src` also positions of `dst` (whose cache is
+    /// cleared first): the cells are shared, nothing is recomputed.
+    pub fn copy_prefix(&mut self, src: usize, dst: usize, len: usize) {
+        // SAFETY: ctx is live; the memory handle belongs to it.
+        unsafe {
+            let mem = sys::llama_get_memory(self.ptr.as_ptr());
+            sys::llama_memory_seq_rm(mem, dst as i32, -1, -1);
+            sys::llama_memory_seq_cp(mem, src as i32, dst as i32, 0, len as i32);
+        }
+    }
+
+    /// Decodes `tokens` of sequence 0 at positions `start..`, requesting outputs on the rows
+    /// where `outputs[i]` is true ([`Context::decode_rows`]).
     ///
     /// # Errors
-    /// [`Error::Llama`] on a decode failure; [`Error::Invalid`] when more than `n_batch` tokens
-    /// are passed.
+    /// As [`Context::decode_rows`].
     pub fn decode(&mut self, tokens: &[Token], start: usize, outputs: &[bool]) -> Result<Vec<f32>> {
-        if tokens.len() > self.n_batch || tokens.len() != outputs.len() || tokens.is_empty() {
+        if tokens.len() != outputs.len() {
+            return Err(Error::Invalid(format!(
+                "{} tokens with {} output flags",
+                tokens.len(),
+                outputs.len()
+            )));
+        }
+        let rows: Vec<Row> = tokens
+            .iter()
+            .zip(outputs)
+            .enumerate()
+            .map(|(i, (&token, &output))| Row {
+                token,
+                pos: start + i,
+                seq: 0,
+                output,
+            })
+            .collect();
+        self.decode_rows(&rows)
+    }
+
+    /// Decodes one batch of rows, of any sequences. Returns the hidden states of the output rows
+    /// in row order (`n_embd` each) when capture is on; logits are then read with
+    /// [`Context::logits`] by row index. The batch is one micro-batch, so rows are computed
+    /// in the order given and a row's numbers do not depend on which other rows share it
+    /// beyond llama.cpp's own summation order.
+    ///
+    /// # Errors
+    /// [`Error::Llama`] on a decode failure; [`Error::Invalid`] for no rows, more than
+    /// `n_batch`, or a sequence id out of range.
+    pub fn decode_rows(&mut self, rows: &[Row]) -> Result<Vec<f32>> {
+        if rows.len() > self.n_batch || rows.is_empty() {
             return Err(Error::Invalid(format!(
                 "decode of {} tokens with batch size {}",
-                tokens.len(),
+                rows.len(),
                 self.n_batch
             )));
         }
+        if let Some(r) = rows.iter().find(|r| r.seq >= self.n_seq) {
+            return Err(Error::Invalid(format!(
+                "sequence {} of a context with {}",
+                r.seq, self.n_seq
+            )));
+        }
         // SAFETY: the batch was allocated for n_batch rows with one seq id each; we write
-        // tokens.len() <= n_batch rows.
+        // rows.len() <= n_batch rows.
         unsafe {
             let b = &mut self.batch;
-            b.n_tokens = tokens.len() as i32;
-            for (i, (&t, &o)) in tokens.iter().zip(outputs).enumerate() {
-                *b.token.add(i) = t;
-                *b.pos.add(i) = (start + i) as i32;
+            b.n_tokens = rows.len() as i32;
+            for (i, r) in rows.iter().enumerate() {
+                *b.token.add(i) = r.token;
+                *b.pos.add(i) = r.pos as i32;
                 *b.n_seq_id.add(i) = 1;
-                *(*b.seq_id.add(i)) = 0;
-                *b.logits.add(i) = i8::from(o);
+                *(*b.seq_id.add(i)) = r.seq as i32;
+                *b.logits.add(i) = i8::from(r.output);
             }
         }
         self.capture.rows.clear();
@@ -497,7 +578,7 @@ impl Context {
         if rc != 0 {
             return Err(Error::Llama(format!("llama_decode returned {rc}")));
         }
-        let want = outputs.iter().filter(|&&o| o).count() * self.capture.n_embd;
+        let want = rows.iter().filter(|r| r.output).count() * self.capture.n_embd;
         let rows = std::mem::take(&mut self.capture.rows);
         if self.capture.enabled && rows.len() != want {
             return Err(Error::Llama(format!(
@@ -506,12 +587,12 @@ impl Context {
             )));
         }
         if self.capture.block.is_some()
-            && self.capture.block_rows.len() != tokens.len() * self.capture.n_embd
+            && self.capture.block_rows.len() != rows.len() * self.capture.n_embd
         {
             return Err(Error::Llama(format!(
                 "captured {} block activations for {} tokens (no such block output?)",
                 self.capture.block_rows.len(),
-                tokens.len()
+                rows.len()
             )));
         }
         Ok(rows)

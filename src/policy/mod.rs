@@ -16,6 +16,9 @@ pub mod llama;
 pub mod sampler;
 
 pub use conversation::{Conversation, Message, PromptTurn, Role};
-pub use engine::{Engine, EngineConfig, Generation, ModelInfo, Reply, Rescored, StopReason};
+pub use engine::{
+    Engine, EngineConfig, EngineStats, Generation, Lane, ModelInfo, Reply, Rescored, StopReason,
+    DEFAULT_N_SEQ,
+};
 pub use head::{FeatureDtype, OutputHead};
 pub use sampler::SamplerParams;
