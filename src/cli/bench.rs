@@ -21,7 +21,7 @@ use turnwise::Engine;
 use super::ModelArgs;
 
 /// Options of `turnwise bench`.
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub struct BenchArgs {
     #[command(flatten)]
     pub(super) model: ModelArgs,
@@ -54,6 +54,27 @@ pub struct BenchArgs {
     /// With --serve: nice value of the learner's thread (0: same priority as serving)
     #[arg(long, default_value_t = 19)]
     pub(super) learn_nice: i32,
+    /// Benchmark serving under load instead: completion tokens/s and p50/p95 latency of
+    /// `turnwise serve` with 1, 4 and 8 concurrent clients holding multi-turn sessions (and of
+    /// llama.cpp's server with --llama-server)
+    #[arg(long, conflicts_with_all = ["train", "serve"])]
+    pub(super) load: bool,
+    /// With --load: numbers of concurrent clients
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+    pub(super) clients: Vec<usize>,
+    /// With --load: sessions each client plays, one after another
+    #[arg(long, default_value_t = 2)]
+    pub(super) sessions: usize,
+    /// With --load: turns (requests) per session
+    #[arg(long, default_value_t = 3)]
+    pub(super) turns: usize,
+    /// With --load: tokens per reply (greedy, end-of-turn ignored)
+    #[arg(long, default_value_t = 48)]
+    pub(super) reply_tokens: usize,
+    /// With --load: a `llama-server` binary to measure with the same client, model, threads
+    /// and --parallel
+    #[arg(long, value_name = "PATH")]
+    pub(super) llama_server: Option<std::path::PathBuf>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -68,6 +89,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     if args.train {
         return train(args, verbose);
+    }
+    if args.load {
+        return super::bench_load::run(args, verbose);
     }
     if args.serve {
         if args.requests == 0 || args.seed_sessions == 0 {

@@ -26,13 +26,28 @@ use super::bench::BenchArgs;
 
 /// One request over a fresh connection: (status, body, seconds).
 fn post(addr: SocketAddr, path: &str, body: &Value) -> anyhow::Result<(u16, Value, f64)> {
+    request(addr, "POST", path, Some(body), &[])
+}
+
+/// One HTTP/1.1 request over a fresh connection, with extra headers: (status, body, seconds).
+pub(super) fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    headers: &[(&str, &str)],
+) -> anyhow::Result<(u16, Value, f64)> {
     let t = Instant::now();
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(600)))?;
-    let b = body.to_string();
+    let b = body.map(Value::to_string).unwrap_or_default();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     write!(
         s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n{b}",
         b.len()
     )?;
     let mut raw = Vec::new();
@@ -47,14 +62,37 @@ fn post(addr: SocketAddr, path: &str, body: &Value) -> anyhow::Result<(u16, Valu
         .nth(1)
         .and_then(|c| c.parse().ok())
         .context("no status code")?;
+    let chunked = head.lines().any(|l| {
+        l.to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked")
+    });
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
     Ok((
         status,
-        serde_json::from_str(body).unwrap_or(Value::Null),
+        serde_json::from_str(&body).unwrap_or(Value::Null),
         secs,
     ))
 }
 
-fn percentile(v: &[f64], p: f64) -> f64 {
+/// The payload of a chunked HTTP/1.1 body.
+fn dechunk(mut rest: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
+        if n == 0 || after.len() < n {
+            break;
+        }
+        out.push_str(&after[..n]);
+        rest = after[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+pub(super) fn percentile(v: &[f64], p: f64) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     let k = ((p / 100.0) * (s.len() as f64 - 1.0)).round() as usize;

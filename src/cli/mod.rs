@@ -1,6 +1,7 @@
 //! Command-line interface: one file per subcommand, each with a `run`.
 
 mod bench;
+mod bench_load;
 mod bench_serve;
 mod chat;
 mod compare;

@@ -477,7 +477,7 @@ fn sampler(req: &ChatRequest, limit: usize) -> ApiResult<SamplerParams> {
         max_tokens: max,
         seed: req.seed.unwrap_or_else(rand_seed),
         stop,
-        ignore_eog: false,
+        ignore_eog: req.ignore_eos,
         greedy_digits: false,
         id_slot: None,
     };
@@ -985,6 +985,25 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         "gauge",
         "generations admitted and not finished",
         in_use as f64,
+    );
+    let (steps, rows, max_rows) = st.engine.stats().snapshot();
+    line(
+        "turnwise_decode_steps_total",
+        "counter",
+        "batched decoding steps (one token of every reply in flight)",
+        steps as f64,
+    );
+    line(
+        "turnwise_decode_rows_total",
+        "counter",
+        "tokens those steps decoded (rows / steps = mean batch)",
+        rows as f64,
+    );
+    line(
+        "turnwise_decode_batch_max",
+        "gauge",
+        "largest batch of one decoding step",
+        max_rows as f64,
     );
     line(
         "turnwise_sessions",

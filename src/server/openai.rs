@@ -51,6 +51,10 @@ pub struct ChatRequest {
     /// OpenAI's end-user id, used as session id when `session_id` is absent
     #[serde(default)]
     pub user: Option<String>,
+    /// never end the reply with an end-of-turn token: generate `max_tokens` (extension, as
+    /// llama.cpp's server names it; for load tests)
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 /// Usage counts.
