@@ -506,7 +506,9 @@ impl Engine {
     }
 
     /// One prefill over `tokens`, returning the temperature-1 log-prob of `tokens[j]` and the
-    /// hidden state that predicted it, for each `j` in `positions` (each `>= 1`).
+    /// hidden state that predicted it, for each `j` in `positions` (each `>= 1`). It runs on an
+    /// emptied KV cache (after the generations in flight), so the numbers do not depend on the
+    /// engine's history.
     ///
     /// # Errors
     /// [`Error::Invalid`] for a bad position; [`Error::ContextOverflow`]; llama.cpp errors.
@@ -932,8 +934,11 @@ impl Worker {
             | Command::Tokens { session, .. }
             | Command::Close { session }
             | Command::Restore { session, .. } => !self.generating(*session),
-            Command::Rescore { .. } | Command::ScoreReference { .. } => self.free_slot(),
-            Command::SetAdapter { .. } | Command::SetShadow { .. } => self.active.is_empty(),
+            Command::ScoreReference { .. } => self.free_slot(),
+            // a rescoring starts from an empty cache, so it waits for the generations too
+            Command::Rescore { .. } | Command::SetAdapter { .. } | Command::SetShadow { .. } => {
+                self.active.is_empty()
+            }
             Command::Tokenize { .. } | Command::Lanes { .. } | Command::LaneDone { .. } => true,
         }
     }
@@ -967,6 +972,12 @@ impl Worker {
                 positions,
                 reply,
             } => {
+                // from an empty cache: its numbers do not depend on what was cached before
+                self.ctx.clear();
+                for s in &mut self.slots {
+                    s.cached.clear();
+                    s.block.clear();
+                }
                 let slot = self.take_slot(None, &[]);
                 let _ = reply.send(self.rescore(slot, &tokens, &positions, false, None));
             }

@@ -497,6 +497,16 @@ impl Context {
         }
     }
 
+    /// Empties the KV cache of every sequence (new cells are then placed from the start, so
+    /// what follows does not depend on what was cached before).
+    pub fn clear(&mut self) {
+        // SAFETY: ctx is live; the memory handle belongs to it.
+        unsafe {
+            let mem = sys::llama_get_memory(self.ptr.as_ptr());
+            sys::llama_memory_clear(mem, false);
+        }
+    }
+
     /// Makes positions `0..len` of sequence `src` also positions of `dst` (whose cache is
     /// cleared first): the cells are shared, nothing is recomputed.
     pub fn copy_prefix(&mut self, src: usize, dst: usize, len: usize) {
