@@ -31,6 +31,7 @@ fn main() -> anyhow::Result<()> {
             capture_hidden: false,
             capture_block: Some(layer),
             n_seq: 1,
+            kv_cells: None,
         },
     )?;
     let msgs = [

@@ -189,6 +189,7 @@ fn main() -> anyhow::Result<()> {
         capture_hidden,
         capture_block,
         n_seq: 1,
+        kv_cells: None,
     };
 
     // base model

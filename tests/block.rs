@@ -50,6 +50,7 @@ fn capture_context(model: &Model, layer: usize, hidden: bool) -> Context {
             capture_hidden: hidden,
             capture_block: Some(layer),
             n_seq: 1,
+            kv_cells: None,
         },
     )
     .unwrap()

@@ -402,6 +402,7 @@ fn block_step(
                 capture_hidden: false,
                 capture_block: block_mode.then_some(tail.input_layer()),
                 n_seq: 1,
+                kv_cells: None,
             },
         )?;
         ctx.set_lora(with.then_some(&adapter))?;

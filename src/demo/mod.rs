@@ -1263,6 +1263,7 @@ impl<'a> Demo<'a> {
                 capture_hidden: false,
                 capture_block: Some(tail.input_layer()),
                 n_seq: 1,
+                kv_cells: None,
             },
         )?;
         let sessions =

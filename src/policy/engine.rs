@@ -263,6 +263,12 @@ pub struct EngineStats {
     pub rows: std::sync::atomic::AtomicU64,
     /// the largest batch of a step
     pub max_rows: std::sync::atomic::AtomicU64,
+    /// microseconds spent in decoding steps
+    pub step_us: std::sync::atomic::AtomicU64,
+    /// prompt tokens decoded to admit requests (what a cached prefix did not cover)
+    pub prefill_tokens: std::sync::atomic::AtomicU64,
+    /// microseconds spent admitting requests (prefill, reference scoring, first sample)
+    pub prefill_us: std::sync::atomic::AtomicU64,
 }
 
 impl EngineStats {
@@ -638,6 +644,8 @@ struct Slot {
     session: Option<u64>,
     /// a generation is running in it
     busy: bool,
+    /// while busy: the length its generation may reach (its share of the cell budget)
+    reserved: usize,
     /// when it was last taken (the least recently used free slot is taken first)
     used: u64,
 }
@@ -696,6 +704,8 @@ struct Worker {
     n_embd: usize,
     /// tokens per session
     n_ctx: usize,
+    /// replies generated at once (the context has more sequences: the rest keep caches)
+    parallel: usize,
     sessions: HashMap<u64, Conversation>,
     /// the token that closes an assistant message in the template
     turn_end: Token,
@@ -732,6 +742,12 @@ struct Worker {
     shadow: Option<Arc<Adapter>>,
     stats: Arc<EngineStats>,
 }
+
+/// Sequences per reply in flight: the extra ones hold idle sessions' KV caches.
+const CACHE_SEQ_FACTOR: u32 = 8;
+
+/// Cells set aside for a reference scored after a prompt.
+const REFERENCE_ROOM: usize = 256;
 
 /// Length of the common prefix of two token sequences.
 fn common_prefix(a: &[Token], b: &[Token]) -> usize {
@@ -771,7 +787,10 @@ impl Worker {
                 n_threads: cfg.n_threads,
                 capture_hidden: cfg.capture_hidden,
                 capture_block: block_layer,
-                n_seq: cfg.n_seq,
+                // more sequences than replies in flight: the others keep idle sessions'
+                // caches, within the same budget of cells (least recently used go first)
+                n_seq: (cfg.n_seq * CACHE_SEQ_FACTOR).min(256),
+                kv_cells: Some(n_ctx.saturating_mul(cfg.n_seq)),
             },
         )?;
         let template = match (&cfg.template, model.chat_template()) {
@@ -796,7 +815,7 @@ impl Worker {
             n_vocab: model.n_vocab(),
             n_embd: model.n_embd(),
             n_ctx: ctx.n_ctx(),
-            n_seq: ctx.n_seq(),
+            n_seq: cfg.n_seq as usize,
             n_threads: cfg.n_threads,
             template,
             feature_dtype: FeatureDtype::for_activation(act_type),
@@ -829,6 +848,7 @@ impl Worker {
             digit_pieces,
             n_embd: model.n_embd(),
             n_ctx: ctx.n_ctx(),
+            parallel: cfg.n_seq as usize,
             slots: (0..ctx.n_seq()).map(|_| Slot::default()).collect(),
             clock: 0,
             active: Vec::new(),
@@ -921,7 +941,42 @@ impl Worker {
     }
 
     fn free_slot(&self) -> bool {
-        self.slots.iter().any(|s| !s.busy)
+        self.active.len() < self.parallel && self.slots.iter().any(|s| !s.busy)
+    }
+
+    /// Empties idle sequences, least recently used first, until `need` more cells fit in the
+    /// cache next to what the others hold (a busy sequence counts what it may still grow to).
+    fn make_room(&mut self, slot: usize, need: usize) {
+        let budget = self.ctx.kv_cells();
+        loop {
+            let held: usize = self
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != slot)
+                .map(|(_, s)| {
+                    if s.busy {
+                        s.reserved.max(s.cached.len())
+                    } else {
+                        s.cached.len()
+                    }
+                })
+                .sum();
+            if held + need <= budget {
+                return;
+            }
+            let victim = self
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|&(i, s)| i != slot && !s.busy && !s.cached.is_empty())
+                .min_by_key(|&(i, s)| (s.used, i))
+                .map(|(i, _)| i);
+            match victim {
+                Some(v) => self.truncate_cache(v, 0),
+                None => return,
+            }
+        }
     }
 
     /// Whether a request can be taken now: a generation needs a free sequence and its session
@@ -995,6 +1050,17 @@ impl Worker {
             Command::Close { session } => {
                 self.sessions.remove(&session);
                 self.block_given.remove(&session);
+                // its cache goes first; without flash attention (block capture) every cached
+                // cell costs attention time in every step, so it goes now
+                for i in 0..self.slots.len() {
+                    if self.slots[i].session == Some(session) && !self.slots[i].busy {
+                        self.slots[i].used = 0;
+                        self.slots[i].session = None;
+                        if self.block_layer.is_some() {
+                            self.truncate_cache(i, 0);
+                        }
+                    }
+                }
             }
             Command::Restore {
                 session,
@@ -1038,6 +1104,7 @@ impl Worker {
                 reply,
             } => {
                 let slot = self.take_slot(None, &prefix);
+                self.make_room(slot, prefix.len() + REFERENCE_ROOM);
                 let r =
                     self.score_reference(slot, prefix, after_assistant, &reference, with_adapter);
                 let _ = reply.send(r);
@@ -1058,9 +1125,11 @@ impl Worker {
         self.answered(lane);
     }
 
-    /// Picks the free sequence for a request on `tokens`: the one that already holds the
-    /// longest prefix of them, then the session's own, then the least recently used (ties by
-    /// index, so the choice is a function of the request history alone).
+    /// Picks the free sequence for a request on `tokens`: one whose whole cache is a prefix of
+    /// them (nothing in it is lost), the longest such; otherwise the least recently used (ties
+    /// by index, so the choice is a function of the request history alone). A prefix that
+    /// another sequence holds is shared into the chosen one by [`Worker::sync`], so no
+    /// session's cache is taken over just for a common system prompt.
     fn take_slot(&mut self, session: Option<u64>, tokens: &[Token]) -> usize {
         let best = self
             .slots
@@ -1068,8 +1137,11 @@ impl Worker {
             .enumerate()
             .filter(|(_, s)| !s.busy)
             .max_by_key(|(i, s)| {
+                let lcp = common_prefix(&s.cached, tokens);
+                let extends = lcp == s.cached.len();
                 (
-                    common_prefix(&s.cached, tokens),
+                    extends,
+                    if extends { lcp } else { 0 },
                     session.is_some() && s.session == session,
                     std::cmp::Reverse(s.used),
                     std::cmp::Reverse(*i),
@@ -1290,12 +1362,17 @@ impl Worker {
         lane: Option<u32>,
     ) -> bool {
         let previous = self.sessions.get(&session).cloned();
+        let t_admit = Instant::now();
         let started = (|| {
             if params.max_tokens == 0 {
                 return Err(Error::Invalid("max_tokens must be at least 1".into()));
             }
             let (prompt, conv) = self.append(session, messages, true, params.max_tokens)?;
             let slot = self.take_slot(Some(session), &conv.tokens);
+            // room for the prompt, a reference scored after it, and the whole reply
+            let need = conv.tokens.len() + params.max_tokens + REFERENCE_ROOM;
+            self.make_room(slot, need);
+            self.slots[slot].reserved = need;
             // the reference after the prompt: its tokens are decoded after the prompt and the
             // reply's sampling then keeps the prompt's cache (one row of it is decoded again)
             let reference_logp = match &reference {
@@ -1326,6 +1403,23 @@ impl Worker {
             }
         };
         let context_len = conv.tokens.len();
+        tracing::debug!(
+            session,
+            slot,
+            context_len,
+            prefill_tokens,
+            active = self.active.len(),
+            "generation admitted"
+        );
+        {
+            use std::sync::atomic::Ordering::Relaxed;
+            self.stats
+                .prefill_tokens
+                .fetch_add(prefill_tokens as u64, Relaxed);
+            self.stats
+                .prefill_us
+                .fetch_add(t_admit.elapsed().as_micros() as u64, Relaxed);
+        }
         let mut g = Gen {
             session,
             lane,
@@ -1390,7 +1484,13 @@ impl Worker {
             self.stats.rows.fetch_add(rows.len() as u64, Relaxed);
             self.stats.max_rows.fetch_max(rows.len() as u64, Relaxed);
         }
-        let h = match self.decode_rows(&rows) {
+        let t = Instant::now();
+        let decoded = self.decode_rows(&rows);
+        self.stats.step_us.fetch_add(
+            t.elapsed().as_micros() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        let h = match decoded {
             Ok(h) => h,
             Err(e) => {
                 let msg = e.to_string();

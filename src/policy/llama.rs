@@ -378,9 +378,10 @@ pub struct ContextParams {
     /// flash attention (whose f16 accumulation the block-LoRA graph does not reproduce)
     pub capture_block: Option<usize>,
     /// sequences the context holds at once (each up to `n_ctx` tokens; the KV cache is one
-    /// unified buffer of `n_ctx × n_seq` cells, so a prefix copied between sequences shares its
-    /// cells)
+    /// unified buffer, so a prefix copied between sequences shares its cells)
     pub n_seq: u32,
+    /// cells of that buffer (`None`: `n_ctx × n_seq`)
+    pub kv_cells: Option<u32>,
 }
 
 /// One row of a batch: `token` of sequence `seq` at position `pos`.
@@ -405,6 +406,8 @@ pub struct Context {
     /// tokens per sequence
     n_ctx: usize,
     n_seq: usize,
+    /// cells of the unified KV cache
+    kv_cells: usize,
     n_vocab: usize,
 }
 
@@ -428,7 +431,9 @@ impl Context {
         // address is stable and which lives as long as the context (dropped after it).
         let ptr = unsafe {
             let mut cp = sys::llama_context_default_params();
-            cp.n_ctx = p.n_ctx.saturating_mul(p.n_seq.max(1));
+            cp.n_ctx = p
+                .kv_cells
+                .unwrap_or_else(|| p.n_ctx.saturating_mul(p.n_seq.max(1)));
             cp.n_batch = p.n_batch;
             cp.n_ubatch = p.n_batch;
             cp.n_seq_max = p.n_seq.max(1);
@@ -453,7 +458,8 @@ impl Context {
         })?;
         let n_seq = p.n_seq.max(1) as usize;
         // SAFETY: ptr is live.
-        let n_ctx = unsafe { sys::llama_n_ctx(ptr.as_ptr()) as usize } / n_seq;
+        let kv_cells = unsafe { sys::llama_n_ctx(ptr.as_ptr()) as usize };
+        let n_ctx = (p.n_ctx as usize).min(kv_cells);
         // SAFETY: allocates a token batch of n_batch rows for one sequence.
         let batch = unsafe { sys::llama_batch_init(p.n_batch as i32, 0, 1) };
         Ok(Context {
@@ -463,6 +469,7 @@ impl Context {
             n_batch: p.n_batch as usize,
             n_ctx,
             n_seq,
+            kv_cells,
             n_vocab: model.n_vocab(),
         })
     }
@@ -475,6 +482,11 @@ impl Context {
     /// The number of sequences.
     pub fn n_seq(&self) -> usize {
         self.n_seq
+    }
+
+    /// Cells of the unified KV cache (shared by every sequence).
+    pub fn kv_cells(&self) -> usize {
+        self.kv_cells
     }
 
     /// Largest number of tokens decoded in one call.
