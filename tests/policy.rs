@@ -552,3 +552,33 @@ fn a_session_decoded_alone_and_in_a_batch_of_four_logs_the_same_tokens_and_logpr
         "a batched run with the same lanes repeats exactly"
     );
 }
+
+/// Lanes never stall the engine: a lane that closes a session (no reply) and at once asks for
+/// the next one — both requests in the queue before the engine looks — still gets its reply,
+/// however its siblings are timed.
+#[test]
+fn lanes_that_close_and_ask_again_at_once_are_answered() {
+    let e = engine();
+    let lanes = e.lanes(3);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        std::thread::scope(|s| {
+            for lane in lanes {
+                s.spawn(move || {
+                    for i in 0..4 {
+                        let key = session_key();
+                        let p = SamplerParams {
+                            max_tokens: 2 + i,
+                            ..params(i as u64)
+                        };
+                        lane.generate(key, opening(), p, None).unwrap();
+                        lane.close(key);
+                    }
+                });
+            }
+        });
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(300))
+        .expect("every lane's requests were answered");
+}

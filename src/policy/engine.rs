@@ -730,8 +730,6 @@ struct Worker {
     queue: VecDeque<Envelope>,
     /// open lanes ([`Engine::lanes`])
     lanes: BTreeSet<u32>,
-    /// open lanes that have their reply and will send their next request
-    working: BTreeSet<u32>,
     /// N of the captured `l_out-N` (block capture on)
     block_layer: Option<usize>,
     /// per session: positions whose block inputs an earlier reply already returned
@@ -854,7 +852,6 @@ impl Worker {
             active: Vec::new(),
             queue: VecDeque::new(),
             lanes: BTreeSet::new(),
-            working: BTreeSet::new(),
             ctx,
             model,
             info,
@@ -872,13 +869,12 @@ impl Worker {
         loop {
             // wait for a lane that is between requests, or for work when there is none
             let idle = self.active.is_empty() && self.queue.is_empty();
-            if open && (idle || !self.working.is_empty()) {
+            if open && (idle || self.lane_working()) {
                 match rx.recv() {
                     Ok(e) => self.receive(e),
                     Err(_) => {
                         open = false;
                         self.lanes.clear();
-                        self.working.clear();
                     }
                 }
                 continue;
@@ -889,7 +885,7 @@ impl Worker {
             while let Ok(e) = rx.try_recv() {
                 self.receive(e);
             }
-            if !self.working.is_empty() {
+            if self.lane_working() {
                 continue;
             }
             if !self.lanes.is_empty() {
@@ -912,28 +908,21 @@ impl Worker {
 
     fn receive(&mut self, e: Envelope) {
         match e.cmd {
-            Command::Lanes { ids } => {
-                self.lanes.extend(ids.iter().copied());
-                self.working.extend(ids);
-            }
+            Command::Lanes { ids } => self.lanes.extend(ids),
             Command::LaneDone { lane } => {
                 self.lanes.remove(&lane);
-                self.working.remove(&lane);
             }
-            cmd => {
-                if let Some(l) = e.lane {
-                    self.working.remove(&l);
-                }
-                self.queue.push_back(Envelope { lane: e.lane, cmd });
-            }
+            cmd => self.queue.push_back(Envelope { lane: e.lane, cmd }),
         }
     }
 
-    /// A lane's request has been answered: the lane works until its next one.
-    fn answered(&mut self, lane: Option<u32>) {
-        if let Some(l) = lane.filter(|l| self.lanes.contains(l)) {
-            self.working.insert(l);
-        }
+    /// Whether an open lane is between requests: nothing of it waits in the queue and no reply
+    /// of it is being generated, so it will send something (or finish) — the engine waits.
+    fn lane_working(&self) -> bool {
+        self.lanes.iter().any(|&l| {
+            !self.queue.iter().any(|e| e.lane == Some(l))
+                && !self.active.iter().any(|g| g.lane == Some(l))
+        })
     }
 
     fn generating(&self, session: u64) -> bool {
@@ -1009,11 +998,7 @@ impl Worker {
                 reference,
                 reply,
             } => {
-                // answered now only if it fails or ends at its first token
-                if !self.start_generation(session, messages, params, stream, reference, reply, lane)
-                {
-                    return;
-                }
+                self.start_generation(session, messages, params, stream, reference, reply, lane);
             }
             Command::Append {
                 session,
@@ -1122,7 +1107,6 @@ impl Worker {
             }
             Command::Lanes { .. } | Command::LaneDone { .. } => {}
         }
-        self.answered(lane);
     }
 
     /// Picks the free sequence for a request on `tokens`: one whose whole cache is a prefix of
@@ -1348,8 +1332,8 @@ impl Worker {
     }
 
     /// Takes a generation request: appends the messages, scores the reference, brings a free
-    /// sequence up to the prompt and samples the first token. Returns whether the request was
-    /// answered (it failed, or the reply ended at once); otherwise it is in flight.
+    /// sequence up to the prompt and samples the first token; the request is then answered (it
+    /// failed, or the reply ended at once) or in flight.
     #[allow(clippy::too_many_arguments)]
     fn start_generation(
         &mut self,
@@ -1360,7 +1344,7 @@ impl Worker {
         reference: Option<(String, bool)>,
         reply: Reply1<Generation>,
         lane: Option<u32>,
-    ) -> bool {
+    ) {
         let previous = self.sessions.get(&session).cloned();
         let t_admit = Instant::now();
         let started = (|| {
@@ -1399,7 +1383,7 @@ impl Worker {
             Err(e) => {
                 self.restore_session(session, previous);
                 let _ = reply.send(Err(e));
-                return true;
+                return;
             }
         };
         let context_len = conv.tokens.len();
@@ -1454,14 +1438,8 @@ impl Worker {
         self.slots[slot].busy = true;
         self.slots[slot].session = Some(session);
         match self.sample(&mut g, h, logits) {
-            Next::Decode => {
-                self.active.push(g);
-                false
-            }
-            Next::Done(stop) => {
-                self.finish(g, stop);
-                true
-            }
+            Next::Decode => self.active.push(g),
+            Next::Done(stop) => self.finish(g, stop),
         }
     }
 
@@ -1602,7 +1580,6 @@ impl Worker {
     fn finish(&mut self, g: Gen, stop: StopReason) {
         let Gen {
             session,
-            lane,
             slot,
             prompt,
             mut conv,
@@ -1679,7 +1656,6 @@ impl Worker {
             reply: reply_value,
             reference_logp,
         }));
-        self.answered(lane);
     }
 
     /// Ends a generation with an error; its session is left as it was before the request.
@@ -1687,7 +1663,6 @@ impl Worker {
         self.slots[g.slot].busy = false;
         self.restore_session(g.session, g.previous);
         let _ = g.reply.send(Err(e));
-        self.answered(g.lane);
     }
 
     fn restore_session(&mut self, session: u64, previous: Option<Conversation>) {
