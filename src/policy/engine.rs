@@ -1264,6 +1264,30 @@ impl Worker {
         Ok((last.0, last.1, tokens.len() - keep))
     }
 
+    /// When another sequence holds a longer prefix of `tokens` (up to `cap`) than the `own`
+    /// prefix sequence `slot` holds, shares its cells into `slot`; returns the prefix `slot`
+    /// now holds. The same tokens are then decoded in the same chunks as on one sequence.
+    fn share_prefix(&mut self, slot: usize, tokens: &[Token], own: usize, cap: usize) -> usize {
+        let donor = (0..self.slots.len())
+            .filter(|&s| s != slot)
+            .map(|s| (common_prefix(&self.slots[s].cached, tokens).min(cap), s))
+            .max_by_key(|&(n, s)| (n, std::cmp::Reverse(s)));
+        match donor.filter(|&(n, _)| n > own) {
+            Some((n, src)) => {
+                self.ctx.copy_prefix(src, slot, n);
+                let b = self.slots[src].block.len().min(n * self.n_embd);
+                let (cached, block) = (
+                    self.slots[src].cached[..n].to_vec(),
+                    self.slots[src].block[..b].to_vec(),
+                );
+                self.slots[slot].cached = cached;
+                self.slots[slot].block = block;
+                n
+            }
+            None => own,
+        }
+    }
+
     /// Drops sequence `slot`'s KV-cache entries (and captured block inputs) from `keep` on.
     fn truncate_cache(&mut self, slot: usize, keep: usize) {
         self.ctx.truncate_seq(slot, keep);
@@ -1779,7 +1803,8 @@ impl Worker {
         }
         let first_row = want.iter().position(|&w| w).unwrap_or(0);
         let keep = if reuse_prefix {
-            common_prefix(&self.slots[slot].cached, tokens).min(first_row)
+            let own = common_prefix(&self.slots[slot].cached, tokens).min(first_row);
+            self.share_prefix(slot, tokens, own, first_row)
         } else {
             0
         };

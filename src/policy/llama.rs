@@ -601,11 +601,11 @@ impl Context {
             return Err(Error::Llama(format!("llama_decode returned {rc}")));
         }
         let want = rows.iter().filter(|r| r.output).count() * self.capture.n_embd;
-        let rows = std::mem::take(&mut self.capture.rows);
-        if self.capture.enabled && rows.len() != want {
+        let hidden = std::mem::take(&mut self.capture.rows);
+        if self.capture.enabled && hidden.len() != want {
             return Err(Error::Llama(format!(
                 "captured {} hidden values, expected {want} (model graph has no result_norm?)",
-                rows.len()
+                hidden.len()
             )));
         }
         if self.capture.block.is_some()
@@ -617,7 +617,7 @@ impl Context {
                 rows.len()
             )));
         }
-        Ok(rows)
+        Ok(hidden)
     }
 
     /// The block activations (`l_out-N`, `n_embd` per row, every row) of the last decode, when
