@@ -1035,15 +1035,19 @@ impl Worker {
             Command::Close { session } => {
                 self.sessions.remove(&session);
                 self.block_given.remove(&session);
-                // its cache goes first; without flash attention (block capture) every cached
-                // cell costs attention time in every step, so it goes now
+                // its cache goes now, all but the prefix another sequence shares (a system
+                // prompt, a common opening): in a unified cache every held cell costs attention
+                // time in every row decoded after it, whichever sequence it belongs to
                 for i in 0..self.slots.len() {
                     if self.slots[i].session == Some(session) && !self.slots[i].busy {
                         self.slots[i].used = 0;
                         self.slots[i].session = None;
-                        if self.block_layer.is_some() {
-                            self.truncate_cache(i, 0);
-                        }
+                        let shared = (0..self.slots.len())
+                            .filter(|&j| j != i)
+                            .map(|j| common_prefix(&self.slots[i].cached, &self.slots[j].cached))
+                            .max()
+                            .unwrap_or(0);
+                        self.truncate_cache(i, shared);
                     }
                 }
             }
