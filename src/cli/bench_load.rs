@@ -269,21 +269,9 @@ fn measure(args: &BenchArgs, dir: &Path, verbose: bool) -> anyhow::Result<ExitCo
         256,
         Duration::from_secs(10),
     ));
-    let st = engine.stats();
-    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
-    let (steps0, rows0, _) = st.snapshot();
-    let (step0, pre0, pre_us0) = (
-        load(&st.step_us),
-        load(&st.prefill_tokens),
-        load(&st.prefill_us),
-    );
+    let before = engine.stats().counters();
     let ours = levels(addr, "turnwise", args)?;
-    let (steps1, rows1, max_rows) = st.snapshot();
-    let (step1, pre1, pre_us1) = (
-        load(&st.step_us),
-        load(&st.prefill_tokens),
-        load(&st.prefill_us),
-    );
+    let counted = engine.stats().counters().since(&before);
     drop(state);
     let theirs = match &args.llama_server {
         Some(bin) => {
@@ -347,14 +335,15 @@ fn measure(args: &BenchArgs, dir: &Path, verbose: bool) -> anyhow::Result<ExitCo
             ratio
         );
     }
-    let steps = steps1.saturating_sub(steps0).max(1);
+    let steps = counted.steps.max(1);
     println!(
-        "turnwise engine: {} decoding steps ({:.1} s), {:.2} rows per step on average, at most {max_rows}; admissions decoded {} prompt tokens ({:.1} s)",
+        "turnwise engine: {} decoding steps ({:.1} s), {:.2} rows per step on average, at most {}; admissions decoded {} prompt tokens ({:.1} s)",
         steps,
-        (step1 - step0) as f64 / 1e6,
-        rows1.saturating_sub(rows0) as f64 / steps as f64,
-        pre1 - pre0,
-        (pre_us1 - pre_us0) as f64 / 1e6,
+        counted.step_us as f64 / 1e6,
+        counted.rows as f64 / steps as f64,
+        counted.max_rows,
+        counted.prefill_tokens,
+        counted.prefill_us as f64 / 1e6,
     );
     if theirs.is_some() {
         println!("goal: ≥ 0.90× llama-server's tokens/s and p95 ≤ 1.20× at 4 and 8 clients");

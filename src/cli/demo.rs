@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::demo::{report, wilson, Demo, DemoConfig, ProcessSignal, Progress};
 use turnwise::learn::annotate::{IgContext, IgPolicy};
 use turnwise::learn::Algo;
-use turnwise::policy::{Engine, OutputHead};
+use turnwise::policy::{Engine, EngineCounters, OutputHead};
 
 use super::ModelArgs;
 
@@ -293,40 +293,11 @@ impl DemoArgs {
     }
 }
 
-/// What the engines' counters say, summed over engines (for the time of a phase).
-#[derive(Clone, Copy, Default)]
-struct EngineTime {
-    steps: u64,
-    rows: u64,
-    step_us: u64,
-    prefill_tokens: u64,
-    prefill_us: u64,
-}
-
-impl EngineTime {
-    fn of(engines: &[Engine]) -> Self {
-        use std::sync::atomic::Ordering::Relaxed;
-        engines.iter().fold(Self::default(), |a, e| {
-            let s = e.stats();
-            Self {
-                steps: a.steps + s.steps.load(Relaxed),
-                rows: a.rows + s.rows.load(Relaxed),
-                step_us: a.step_us + s.step_us.load(Relaxed),
-                prefill_tokens: a.prefill_tokens + s.prefill_tokens.load(Relaxed),
-                prefill_us: a.prefill_us + s.prefill_us.load(Relaxed),
-            }
-        })
-    }
-
-    fn since(&self, before: &Self) -> Self {
-        Self {
-            steps: self.steps.saturating_sub(before.steps),
-            rows: self.rows.saturating_sub(before.rows),
-            step_us: self.step_us.saturating_sub(before.step_us),
-            prefill_tokens: self.prefill_tokens.saturating_sub(before.prefill_tokens),
-            prefill_us: self.prefill_us.saturating_sub(before.prefill_us),
-        }
-    }
+/// The engines' counters, summed.
+fn engine_counters(engines: &[Engine]) -> EngineCounters {
+    engines.iter().fold(EngineCounters::default(), |a, e| {
+        a.plus(&e.stats().counters())
+    })
 }
 
 /// Runs the demo and prints the summary.
@@ -402,7 +373,7 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     // without a terminal the bars draw nothing: one line per phase instead, with its time
     let lines = !std::io::stderr().is_terminal();
     let (t0, mut phase_start) = (std::time::Instant::now(), std::time::Instant::now());
-    let mut phase_engines = EngineTime::of(&engines);
+    let mut phase_engines = engine_counters(&engines);
     let mut on = |p: Progress| match p {
         Progress::Phase(name, n) => {
             if lines {
@@ -411,7 +382,7 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
                     t0.elapsed().as_secs_f64() / 60.0
                 );
                 phase_start = std::time::Instant::now();
-                phase_engines = EngineTime::of(&engines);
+                phase_engines = engine_counters(&engines);
             }
             let b = ProgressBar::new(n as u64);
             b.set_style(style.clone());
@@ -425,7 +396,7 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         }
         Progress::Done(name) => {
             if lines {
-                let e = EngineTime::of(&engines).since(&phase_engines);
+                let e = engine_counters(&engines).since(&phase_engines);
                 eprintln!(
                     "[{:>6.1} min] {name}: done in {:.0} s{}",
                     t0.elapsed().as_secs_f64() / 60.0,

@@ -271,7 +271,63 @@ pub struct EngineStats {
     pub prefill_us: std::sync::atomic::AtomicU64,
 }
 
+/// [`EngineStats`]' counters at one moment, as plain numbers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineCounters {
+    /// decoding steps
+    pub steps: u64,
+    /// rows those steps decoded
+    pub rows: u64,
+    /// the largest batch of a step (so far)
+    pub max_rows: u64,
+    /// microseconds in decoding steps
+    pub step_us: u64,
+    /// prompt tokens decoded at admission
+    pub prefill_tokens: u64,
+    /// microseconds admitting requests
+    pub prefill_us: u64,
+}
+
+impl EngineCounters {
+    /// What was counted between `before` and `self` (`max_rows` stays the largest so far).
+    pub fn since(&self, before: &Self) -> Self {
+        Self {
+            steps: self.steps.saturating_sub(before.steps),
+            rows: self.rows.saturating_sub(before.rows),
+            max_rows: self.max_rows,
+            step_us: self.step_us.saturating_sub(before.step_us),
+            prefill_tokens: self.prefill_tokens.saturating_sub(before.prefill_tokens),
+            prefill_us: self.prefill_us.saturating_sub(before.prefill_us),
+        }
+    }
+
+    /// Two engines' counters together.
+    pub fn plus(&self, other: &Self) -> Self {
+        Self {
+            steps: self.steps + other.steps,
+            rows: self.rows + other.rows,
+            max_rows: self.max_rows.max(other.max_rows),
+            step_us: self.step_us + other.step_us,
+            prefill_tokens: self.prefill_tokens + other.prefill_tokens,
+            prefill_us: self.prefill_us + other.prefill_us,
+        }
+    }
+}
+
 impl EngineStats {
+    /// Every counter now.
+    pub fn counters(&self) -> EngineCounters {
+        use std::sync::atomic::Ordering::Relaxed;
+        EngineCounters {
+            steps: self.steps.load(Relaxed),
+            rows: self.rows.load(Relaxed),
+            max_rows: self.max_rows.load(Relaxed),
+            step_us: self.step_us.load(Relaxed),
+            prefill_tokens: self.prefill_tokens.load(Relaxed),
+            prefill_us: self.prefill_us.load(Relaxed),
+        }
+    }
+
     /// `(steps, rows, max_rows)` now.
     pub fn snapshot(&self) -> (u64, u64, u64) {
         use std::sync::atomic::Ordering::Relaxed;
@@ -1229,21 +1285,7 @@ impl Worker {
     /// sequence is shared (its cells copied) instead of decoded again.
     fn sync(&mut self, slot: usize, tokens: &[Token]) -> Result<(Vec<f32>, Vec<f32>, usize)> {
         let own = common_prefix(&self.slots[slot].cached, tokens);
-        let donor = (0..self.slots.len())
-            .filter(|&s| s != slot)
-            .map(|s| (common_prefix(&self.slots[s].cached, tokens), s))
-            .max_by_key(|&(n, s)| (n, std::cmp::Reverse(s)));
-        let mut keep = own;
-        if let Some((n, src)) = donor.filter(|&(n, _)| n > own) {
-            self.ctx.copy_prefix(src, slot, n);
-            let (cached, block) = (
-                self.slots[src].cached[..n].to_vec(),
-                self.slots[src].block[..self.slots[src].block.len().min(n * self.n_embd)].to_vec(),
-            );
-            self.slots[slot].cached = cached;
-            self.slots[slot].block = block;
-            keep = n;
-        }
+        let mut keep = self.share_prefix(slot, tokens, own, tokens.len());
         if keep == tokens.len() {
             keep = keep.saturating_sub(1); // we need the last row's logits again
         }

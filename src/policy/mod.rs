@@ -17,8 +17,8 @@ pub mod sampler;
 
 pub use conversation::{Conversation, Message, PromptTurn, Role};
 pub use engine::{
-    Engine, EngineConfig, EngineStats, Generation, Lane, ModelInfo, Reply, Rescored, StopReason,
-    DEFAULT_N_SEQ,
+    Engine, EngineConfig, EngineCounters, EngineStats, Generation, Lane, ModelInfo, Reply,
+    Rescored, StopReason, DEFAULT_N_SEQ,
 };
 pub use head::{FeatureDtype, OutputHead};
 pub use sampler::SamplerParams;
