@@ -10,9 +10,9 @@ use turnwise::learn::{run_update, Algo, Selection, TrainConfig};
 use turnwise::policy::sampler::{self, Rng};
 use turnwise::session::turns_from_generation;
 use turnwise::store::{NewSession, Source, Store};
-use turnwise::{Engine, EngineConfig, Message, Role, SamplerParams};
+use turnwise::{Engine, Message, Role, SamplerParams};
 
-use crate::common::{head, model_path, tempdir};
+use crate::common::{fresh_engine, head, tempdir};
 
 /// One update over every finished session of the store.
 fn train(
@@ -26,10 +26,6 @@ fn train(
         ..Default::default()
     };
     run_update(store, db, head(), parent, cfg, &sel, |_, _, _| {})
-}
-
-fn private_engine() -> Engine {
-    Engine::start(EngineConfig::new(model_path())).expect("engine")
 }
 
 /// Rolls out `n` replies to `prompt` and logs each as a finished session with `reward(text)`.
@@ -86,7 +82,7 @@ fn groups_of_four(
     reward: impl Fn(&str) -> f64 + Copy,
 ) -> (tempfile::TempDir, std::path::PathBuf, Store) {
     let dir = tempdir();
-    let engine = private_engine();
+    let engine = fresh_engine();
     let db = dir.path().join(name);
     let mut store = Store::open(&db).unwrap();
     for (g, p) in prompts.iter().enumerate() {
@@ -123,7 +119,7 @@ fn a_trained_adapter_is_reproduced_from_stored_features() {
         .set_adapter_status(id, AdapterStatus::Candidate, None)
         .unwrap();
     store.activate_adapter(id).unwrap();
-    let engine = private_engine();
+    let engine = fresh_engine();
     engine
         .set_adapter(Some((id, Arc::new(ad.clone()))))
         .unwrap();
@@ -231,7 +227,7 @@ fn supervised_warm_start_teaches_a_reply_format() {
     let dir = tempdir();
     let db = dir.path().join("sft.db");
     let mut store = Store::open(&db).unwrap();
-    let engine = private_engine();
+    let engine = fresh_engine();
     let phrasings = [
         "Please refund order {}.",
         "I want my money back for order {}.",
@@ -394,7 +390,7 @@ fn shift(store: &Store, adapter: &Adapter, sessions: &[(i64, f64)]) -> (f64, f64
 #[test]
 fn rl_updates_raise_the_rewarded_behaviour_and_a_flipped_sign_lowers_it() {
     let dir = tempdir();
-    let engine = private_engine();
+    let engine = fresh_engine();
     let reward = |t: &str| f64::from(t.to_lowercase().contains("help"));
     let prompts = [
         "Hi there!",
@@ -506,7 +502,7 @@ fn every_preset_runs_an_update_on_both_backends() {
 #[test]
 fn a_non_finite_update_is_rejected_and_nothing_is_activated() {
     let dir = tempdir();
-    let engine = private_engine();
+    let engine = fresh_engine();
     let db = dir.path().join("nan.db");
     let mut store = Store::open(&db).unwrap();
     rollouts(&engine, &mut store, "g", "Hello!", 4, 1, |t| {
@@ -538,7 +534,7 @@ fn a_non_finite_update_is_rejected_and_nothing_is_activated() {
 fn step_level_credit_is_annotated_queryable_and_feeds_a2tgpo() {
     use turnwise::learn::annotate::{annotate_sessions, AnnotateConfig};
     let dir = tempdir();
-    let engine = private_engine();
+    let engine = fresh_engine();
     let db = dir.path().join("credit.db");
     let mut store = Store::open(&db).unwrap();
     let mut ids = Vec::new();
@@ -730,7 +726,7 @@ fn the_kl_reference_can_be_a_stored_adapter() {
 /// Sampled replies and engines without a shadow report nothing.
 #[test]
 fn a_shadow_adapter_knows_whether_it_would_have_written_the_same_reply() {
-    let engine = private_engine();
+    let engine = fresh_engine();
     let h = head();
     let fresh = |seed| Adapter::fresh(h.n_embd(), h.n_vocab(), 8, 16.0, seed, "test");
     let base = fresh(0); // B = 0: the base model's logits
@@ -800,7 +796,7 @@ fn a_shadow_adapter_knows_whether_it_would_have_written_the_same_reply() {
 /// log-softmax, the mean over the reference's tokens); the frozen score is the base model's.
 #[test]
 fn a_reference_is_scored_by_the_frozen_policy_or_with_the_adapter() {
-    let engine = private_engine();
+    let engine = fresh_engine();
     let h = head();
     let mut ad = Adapter::fresh(h.n_embd(), h.n_vocab(), 8, 16.0, 3, "test");
     let mut rng = Rng::new(8);
@@ -864,7 +860,7 @@ fn rollouts_at_temperature_07_are_the_policy_the_learner_optimises() {
     let dir = tempdir();
     let db = dir.path().join("t.db");
     let mut store = Store::open(&db).unwrap();
-    let engine = private_engine();
+    let engine = fresh_engine();
     let mut full_gap = Vec::new();
     for i in 0..6u64 {
         let mut s = NewSession::new(Source::Demo);

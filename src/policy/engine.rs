@@ -330,12 +330,8 @@ impl EngineStats {
 
     /// `(steps, rows, max_rows)` now.
     pub fn snapshot(&self) -> (u64, u64, u64) {
-        use std::sync::atomic::Ordering::Relaxed;
-        (
-            self.steps.load(Relaxed),
-            self.rows.load(Relaxed),
-            self.max_rows.load(Relaxed),
-        )
+        let c = self.counters();
+        (c.steps, c.rows, c.max_rows)
     }
 }
 

@@ -24,6 +24,11 @@ pub fn engine() -> &'static Engine {
     E.get_or_init(|| Engine::start(EngineConfig::new(model_path())).expect("engine"))
 }
 
+/// An engine of its own (a fresh cache history), for tests that must not share one.
+pub fn fresh_engine() -> Engine {
+    Engine::start(EngineConfig::new(model_path())).expect("engine")
+}
+
 /// The dequantised output projection of the default model.
 pub fn head() -> &'static OutputHead {
     static H: OnceLock<OutputHead> = OnceLock::new();
