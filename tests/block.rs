@@ -466,8 +466,9 @@ fn the_engine_logs_block_inputs_for_every_position_of_a_session() {
 
 /// Sessions logged by an engine with block capture train a block LoRA offline
 /// (`turnwise train --algo sft --block-k 2`): every position is assembled from the turns' block
-/// inputs, the loss falls, and the candidate activates (llama.cpp loads it). RL updates of a
-/// block LoRA are refused with a message.
+/// inputs, the loss falls, the gate measures the approximate KL to the parent (a bound it exceeds
+/// rejects the candidate, one it meets activates it, and llama.cpp loads it). RL updates of the
+/// same layout train it further; another layout is refused with a message.
 #[test]
 fn logged_sessions_train_a_block_lora_offline() {
     use turnwise::learn::block::logged_sessions;
@@ -537,31 +538,54 @@ fn logged_sessions_train_a_block_lora_offline() {
     assert_eq!(logged_sessions(&store, &ids, 25, 576).unwrap().1, 3);
     drop(store);
 
+    // a bound no supervised update meets: the gate measures the KL and rejects the candidate
     let o = crate::common::turnwise(&db)
         .args(["train", "--algo", "sft", "--block-k", "2", "--epochs", "4"])
+        .args(["--activate", "--gate-kl", "1e-9"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", crate::common::show(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("failed the gate (|approx KL|"),
+        "{}",
+        crate::common::show(&o)
+    );
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let field = |after: &str, before: &str| -> String {
+        out.split(after)
+            .nth(1)
+            .and_then(|r| r.split(before).next())
+            .unwrap_or_else(|| panic!("no '{after}' in {out}"))
+            .trim()
+            .to_string()
+    };
+    let rejected: i64 = field("candidate adapter ", ":").parse().unwrap();
+    let first: f32 = field(", loss ", " -> ").parse().unwrap();
+    let last: f32 = field(&format!("{first:.4} -> "), "\n").parse().unwrap();
+    assert!(last < first, "{out}");
+    // SFT raised the reply tokens' log-prob; the approximate KL is old − new, so negative
+    let lp_old: f64 = field("mean log-prob ", " (parent)").parse().unwrap();
+    let lp_new: f64 = field("(parent) -> ", ",").parse().unwrap();
+    let kl: f64 = field("approx KL ", " over").parse().unwrap();
+    assert!(lp_new > lp_old, "{out}");
+    assert!((kl - (lp_old - lp_new)).abs() < 2e-4, "{out}");
+    let o = crate::common::turnwise(&db)
+        .args(["adapters", "activate", &rejected.to_string()])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{}", crate::common::show(&o));
+    // with a bound it meets, the same training activates through the gate
+    let o = crate::common::turnwise(&db)
+        .args(["train", "--algo", "sft", "--block-k", "2", "--epochs", "4"])
+        .args(["--activate", "--gate-kl", "10"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", crate::common::show(&o));
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
-    let id: i64 = out
-        .split("candidate adapter ")
-        .nth(1)
-        .and_then(|r| r.split(':').next())
-        .and_then(|x| x.parse().ok())
-        .unwrap_or_else(|| panic!("no id in {out}"));
-    let losses: Vec<f32> = out
-        .rsplit("loss ")
-        .next()
-        .unwrap()
-        .split(" -> ")
-        .map(|x| x.trim().parse().unwrap())
-        .collect();
-    assert!(losses[1] < losses[0], "{out}");
-    let o = crate::common::turnwise(&db)
-        .args(["adapters", "activate", &id.to_string()])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", crate::common::show(&o));
+    assert!(
+        out.contains("\"passed\":true") && out.contains("is active"),
+        "{out}"
+    );
     // RL on top of it: the same layout is updated; another layout is refused with a reason
     let o = crate::common::turnwise(&db)
         .args(["train", "--algo", "grpo", "--block-k", "2"])

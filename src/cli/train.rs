@@ -344,7 +344,7 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     use turnwise::adapter::block::BlockLora;
     use turnwise::graph::block::{BlockGraphKind, BlockSpec, OrtBlock};
     use turnwise::graph::step::StepKind;
-    use turnwise::learn::block::{logged_sessions, train_sft, SftConfig};
+    use turnwise::learn::block::{logged_sessions, mean_reply_logp, train_sft, SftConfig};
     use turnwise::policy::blocks::TailModel;
 
     let k = args.block_k.unwrap_or(2);
@@ -398,9 +398,15 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         r: args.rank,
         alpha: 2.0 * args.rank as f32,
     };
-    let mut lora = match adapter.block.take() {
-        Some(b) if b.spec == spec => b,
-        _ => BlockLora::fresh(&tail.hp, spec.clone(), 1),
+    // the parent's policy in this graph: its block LoRA, or a fresh one (B = 0: the base
+    // model's blocks); a block LoRA of another layout cannot be scored here
+    let (mut lora, parent_lora) = match adapter.block.take() {
+        Some(b) if b.spec == spec => (b.clone(), Some(b)),
+        None => {
+            let fresh = BlockLora::fresh(&tail.hp, spec.clone(), 1);
+            (fresh.clone(), Some(fresh))
+        }
+        Some(_) => (BlockLora::fresh(&tail.hp, spec.clone(), 1), None),
     };
     let batch = 4usize;
     let epochs = args.epochs.unwrap_or(20);
@@ -434,6 +440,15 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         },
     )?;
     pb.finish_and_clear();
+    // the approximate KL to the parent on the tokens trained on, as the other updates measure it
+    let kl = match &parent_lora {
+        Some(p) => {
+            let (old, n) = mean_reply_logp(&mut g, &data, p)?;
+            let (new, _) = mean_reply_logp(&mut g, &data, &lora)?;
+            Some((old - new, old, new, n))
+        }
+        None => None,
+    };
     adapter.block = Some(lora);
     let metrics = serde_json::json!({
         "algo": "sft-block",
@@ -443,6 +458,10 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         "steps": steps,
         "first_loss": losses.first(),
         "final_loss": losses.last(),
+        "approx_kl": kl.map(|x| x.0),
+        "reply_logp_parent": kl.map(|x| x.1),
+        "reply_logp": kl.map(|x| x.2),
+        "reply_tokens": kl.map(|x| x.3),
     });
     let vid = parent.as_ref().map(|(id, _)| *id);
     let id = save_candidate(&mut store, db, vid, &adapter, &metrics)?;
@@ -460,18 +479,42 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         losses.first().copied().unwrap_or(f32::NAN),
         losses.last().copied().unwrap_or(f32::NAN)
     );
-    if args.activate {
-        if !args.force {
+    let Some((approx_kl, old, new, n)) = kl else {
+        println!(
+            "the parent's block LoRA has another layout: no KL to it was measured (the gate cannot \
+             judge this candidate)"
+        );
+        if args.activate && !args.force {
             eprintln!(
-                "adapter {id} stays a candidate: the gate's KL and value checks do not cover block \
-                 LoRA yet; activate it with --force or `turnwise adapters activate {id}`"
+                "adapter {id} stays a candidate: activate it with --force or `turnwise adapters \
+                 activate {id}`"
             );
             return Ok(ExitCode::from(3));
         }
-        activate_checked(&mut store, id, &head, &model)?;
-        println!("adapter {id} is active");
+        if args.activate {
+            activate_checked(&mut store, id, &head, &model)?;
+            println!("adapter {id} is active (forced: no gate)");
+        }
+        return Ok(ExitCode::SUCCESS);
+    };
+    println!(
+        "reply tokens: mean log-prob {old:.4} (parent) -> {new:.4}, approx KL {approx_kl:.4} over \
+         {n} tokens"
+    );
+    if !args.activate {
+        return Ok(ExitCode::SUCCESS);
     }
-    Ok(ExitCode::SUCCESS)
+    gate_and_activate(
+        &mut store,
+        db,
+        id,
+        approx_kl,
+        &args,
+        parent.as_ref().map(|p| p.1.as_ref()),
+        parse_source(args.sel.source.as_deref())?,
+        &head,
+        &model,
+    )
 }
 
 /// The `--block-targets` list.
@@ -765,24 +808,43 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     if !args.activate {
         return Ok(ExitCode::SUCCESS);
     }
-    // the same gate as the server's learner: KL bound, then the value check
-    let kl = report.diagnostics.approx_kl;
+    gate_and_activate(
+        &mut store,
+        db,
+        id,
+        report.diagnostics.approx_kl,
+        &args,
+        gate_parent.as_ref().map(|p| p.1.as_ref()),
+        sel.source,
+        &head,
+        &model,
+    )
+}
+
+/// The same gate as the server's learner — the KL bound, then the value check — and activation
+/// when it passes (or with `--force`). Exit code 3 when the candidate stays inactive.
+#[allow(clippy::too_many_arguments)]
+fn gate_and_activate(
+    store: &mut Store,
+    db: &Path,
+    id: i64,
+    kl: f64,
+    args: &TrainArgs,
+    parent: Option<&Adapter>,
+    source: Option<Source>,
+    head: &OutputHead,
+    model: &Path,
+) -> anyhow::Result<ExitCode> {
     let verdict = if gate::kl_passes(kl, args.gate_kl) {
         let cand = Adapter::load(&turnwise::adapter::adapter_dir(db, id))?;
-        let value = gate::value_check(
-            &store,
-            &cand,
-            gate_parent.as_ref().map(|p| p.1.as_ref()),
-            sel.source,
-            gate::VALUE_SESSIONS,
-        )?;
+        let value = gate::value_check(store, &cand, parent, source, gate::VALUE_SESSIONS)?;
         gate::judge(kl, args.gate_kl, Some(value), None)
     } else {
         gate::judge(kl, args.gate_kl, None, None)
     };
     println!("gate: {}", serde_json::to_string(&verdict)?);
     if !verdict.passed && !args.force {
-        gate::record(&store, id, &verdict)?;
+        gate::record(store, id, &verdict)?;
         eprintln!(
             "adapter {id} failed the gate ({}); it stays inactive (--force activates it anyway)",
             verdict.reason.as_deref().unwrap_or("")
@@ -790,9 +852,9 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(3));
     }
     if verdict.passed {
-        gate::record(&store, id, &verdict)?;
+        gate::record(store, id, &verdict)?;
     }
-    activate_checked(&mut store, id, &head, &model)?;
+    activate_checked(store, id, head, model)?;
     println!(
         "adapter {id} is active{}",
         if verdict.passed {

@@ -342,6 +342,46 @@ pub fn train_sft(
     Ok(losses)
 }
 
+/// The mean log-prob of the reply tokens of `data` under `lora` (a graph built as a
+/// cross-entropy step; its log-probs are read, its gradients ignored), one session per run, and
+/// the number of tokens. `turnwise train --algo sft --block-k` gates its candidate on the
+/// difference between the parent's and the candidate's value (the approximate KL of the other
+/// updates: the mean of `logp_parent − logp_candidate` over the tokens trained on).
+///
+/// # Errors
+/// Graph errors; [`Error::Invalid`] when there are no reply tokens or a log-prob is not finite.
+pub fn mean_reply_logp(
+    graph: &mut OrtBlock,
+    data: &[Captured],
+    lora: &BlockLora,
+) -> Result<(f64, usize)> {
+    let (mut sum, mut n) = (0f64, 0usize);
+    for c in data {
+        let targets = c.targets();
+        if targets.is_empty() {
+            continue;
+        }
+        let w = vec![1.0 / targets.len() as f32; targets.len()];
+        let obj = ObjectiveInputs::cross_entropy(&targets, w);
+        let rows = BlockRows {
+            x: c.x.view(),
+            pos: (0..c.x.nrows()).collect(),
+            seg: vec![0; c.x.nrows()],
+            scored: c.scored.clone(),
+        };
+        let (_, logp, _) = graph.step(&rows, &lora.factors, &obj)?;
+        if let Some(bad) = logp.iter().find(|l| !l.is_finite()) {
+            return Err(Error::Invalid(format!("a reply token's log-prob is {bad}")));
+        }
+        sum += logp.iter().map(|&l| f64::from(l)).sum::<f64>();
+        n += logp.len();
+    }
+    if n == 0 {
+        return Err(Error::Invalid("no reply tokens to score".into()));
+    }
+    Ok((sum / n as f64, n))
+}
+
 /// Re-runs llama.cpp over a captured session with the same batching as
 /// [`generate_captured`] (prompt in one batch, then one token per decode) and returns its
 /// logits at the scored positions: how the session's tokens score under whatever adapter the
