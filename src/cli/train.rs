@@ -501,9 +501,6 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         "reply tokens: mean log-prob {old:.4} (parent) -> {new:.4}, approx KL {approx_kl:.4} over \
          {n} tokens"
     );
-    if !args.activate {
-        return Ok(ExitCode::SUCCESS);
-    }
     gate_and_activate(
         &mut store,
         db,
@@ -805,9 +802,6 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     let id = report.adapter_id.unwrap_or_default();
     println!("update {} wrote candidate adapter {id}", report.update_id);
     println!("{}", serde_json::to_string_pretty(&report.diagnostics)?);
-    if !args.activate {
-        return Ok(ExitCode::SUCCESS);
-    }
     gate_and_activate(
         &mut store,
         db,
@@ -821,8 +815,9 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     )
 }
 
-/// The same gate as the server's learner — the KL bound, then the value check — and activation
-/// when it passes (or with `--force`). Exit code 3 when the candidate stays inactive.
+/// With `--activate`: the same gate as the server's learner — the KL bound, then the value
+/// check — and activation when it passes (or with `--force`). Exit code 3 when the candidate
+/// stays inactive; without `--activate` the candidate stays a candidate (success).
 #[allow(clippy::too_many_arguments)]
 fn gate_and_activate(
     store: &mut Store,
@@ -835,6 +830,9 @@ fn gate_and_activate(
     head: &OutputHead,
     model: &Path,
 ) -> anyhow::Result<ExitCode> {
+    if !args.activate {
+        return Ok(ExitCode::SUCCESS);
+    }
     let verdict = if gate::kl_passes(kl, args.gate_kl) {
         let cand = Adapter::load(&turnwise::adapter::adapter_dir(db, id))?;
         let value = gate::value_check(store, &cand, parent, source, gate::VALUE_SESSIONS)?;
