@@ -101,13 +101,7 @@ fn main() -> anyhow::Result<()> {
     let mut with = Vec::new();
     for c in &caps {
         let l1 = turnwise::learn::block::replay_logits(&mut ctx, c)?;
-        let n_rows = c.x.nrows();
-        let rows = turnwise::graph::block::BlockRows {
-            x: c.x.view(),
-            pos: (0..n_rows).collect(),
-            seg: vec![0; n_rows],
-            scored: c.scored.clone(),
-        };
+        let rows = c.rows();
         let g1 = g.logits(&rows, &rnd.factors)?;
         let g0 = g.logits(&rows, &lora.factors)?;
         for i in 0..l1.nrows() {

@@ -484,14 +484,14 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
             "the parent's block LoRA has another layout: no KL to it was measured (the gate cannot \
              judge this candidate)"
         );
-        if args.activate && !args.force {
-            eprintln!(
-                "adapter {id} stays a candidate: activate it with --force or `turnwise adapters \
-                 activate {id}`"
-            );
-            return Ok(ExitCode::from(3));
-        }
         if args.activate {
+            if !args.force {
+                eprintln!(
+                    "adapter {id} stays a candidate: activate it with --force or `turnwise \
+                     adapters activate {id}`"
+                );
+                return Ok(ExitCode::from(3));
+            }
             activate_checked(&mut store, id, &head, &model)?;
             println!("adapter {id} is active (forced: no gate)");
         }

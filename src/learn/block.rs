@@ -37,6 +37,17 @@ impl Captured {
             .collect()
     }
 
+    /// The session as one run of the block graph: every position, one segment, its scored rows.
+    pub fn rows(&self) -> BlockRows<'_> {
+        let n = self.x.nrows();
+        BlockRows {
+            x: self.x.view(),
+            pos: (0..n).collect(),
+            seg: vec![0; n],
+            scored: self.scored.clone(),
+        }
+    }
+
     /// Bytes per position of the stored activations at f16.
     pub fn bytes_per_token_f16(&self) -> usize {
         self.x.ncols() * 2
@@ -219,14 +230,7 @@ pub fn parity(graph: &mut OrtBlock, sessions: &[Captured], lora: &BlockLora) -> 
         if c.logits.nrows() != c.scored.len() {
             return Err(Error::Invalid("captured session kept no logits".into()));
         }
-        let n = c.x.nrows();
-        let rows = BlockRows {
-            x: c.x.view(),
-            pos: (0..n).collect(),
-            seg: vec![0; n],
-            scored: c.scored.clone(),
-        };
-        let z = graph.logits(&rows, &lora.factors)?;
+        let z = graph.logits(&c.rows(), &lora.factors)?;
         for (i, t) in c.targets().into_iter().enumerate() {
             let (zg, zl) = (z.row(i), c.logits.row(i));
             for (a, b) in zg.iter().zip(zl.iter()) {
@@ -363,13 +367,7 @@ pub fn mean_reply_logp(
         }
         let w = vec![1.0 / targets.len() as f32; targets.len()];
         let obj = ObjectiveInputs::cross_entropy(&targets, w);
-        let rows = BlockRows {
-            x: c.x.view(),
-            pos: (0..c.x.nrows()).collect(),
-            seg: vec![0; c.x.nrows()],
-            scored: c.scored.clone(),
-        };
-        let (_, logp, _) = graph.step(&rows, &lora.factors, &obj)?;
+        let (_, logp, _) = graph.step(&c.rows(), &lora.factors, &obj)?;
         if let Some(bad) = logp.iter().find(|l| !l.is_finite()) {
             return Err(Error::Invalid(format!("a reply token's log-prob is {bad}")));
         }
