@@ -8,8 +8,9 @@
 //! q,v (r = 8) of the last k blocks, trained from captured block inputs in ONNX Runtime, written
 //! as a GGUF LoRA and served by llama.cpp itself for the evaluation.
 //!
-//! `cargo run --release --example distractor -- [steps] [k,k,...] [lr] [targets] [r] [skip-output]`
-//! (defaults: 200 steps, k = 2,4, lr 2e-3, targets q,v, r = 8)
+//! `cargo run --release --example distractor -- [steps] [k,k,...] [lr] [targets] [r] [all|skip-output|stack] [seed]`
+//! (defaults: 200 steps, k = 2,4, lr 2e-3, targets q,v, r = 8, seed 0 — the block LoRA's
+//! initialisation and shuffling; the requests are the same for every seed)
 
 use ndarray::{Array2, Axis};
 use turnwise::adapter::block::BlockLora;
@@ -155,7 +156,14 @@ fn main() -> anyhow::Result<()> {
         .map(|s| s.split(',').map(str::to_string).collect())
         .unwrap_or(vec!["q".into(), "v".into()]);
     let rank: usize = args.get(5).and_then(|s| s.parse().ok()).unwrap_or(8);
-    let skip_output = args.get(6).is_some_and(|s| s == "skip-output");
+    // skip-output: block LoRAs only; stack: each block LoRA is trained on top of the output
+    // LoRA (fixed) and served together with it, as `turnwise demo --adapter block` does
+    let mode = args.get(6).map(String::as_str).unwrap_or("all");
+    let (skip_output, stack) = (mode == "skip-output", mode == "stack");
+    // the block LoRA's initialisation and shuffling seed (the requests themselves never change)
+    let seed: u64 = args.get(7).and_then(|s| s.parse().ok()).unwrap_or(0);
+    // TW_SHOW_WRONG=1 lists the held-out requests an adapter got wrong, with its reply
+    let show_wrong = std::env::var_os("TW_SHOW_WRONG").is_some();
     let path = turnwise::assets::resolve_model(None, true)?;
     turnwise::graph::runtime::init(true)?;
     llama::init_backend(false);
@@ -170,16 +178,42 @@ fn main() -> anyhow::Result<()> {
     let distract: Vec<Example> = (0..16)
         .map(|_| make(&model, &mut rng, &HELD_OUT, true))
         .collect::<anyhow::Result<_>>()?;
+    // TW_TRAIN_DISTRACT=1: a different training set (own seed) whose 60 requests all hold another
+    // number, for asking whether more such demonstrations help; the held-out sets stay the same
+    let train = if std::env::var_os("TW_TRAIN_DISTRACT").is_some() {
+        let mut rng = Rng::new(2025);
+        (0..60)
+            .map(|_| make(&model, &mut rng, &TRAIN, true))
+            .collect::<anyhow::Result<Vec<_>>>()?
+    } else {
+        train
+    };
+    let text = |t: &[Token]| {
+        let b: Vec<u8> = t.iter().flat_map(|&t| model.piece(t, true)).collect();
+        String::from_utf8_lossy(&b).into_owned()
+    };
     let score =
         |ctx: &mut Context, head: Option<(&Adapter, bool)>| -> anyhow::Result<(usize, usize)> {
-            let mut a = 0;
-            for e in &clean {
-                a += usize::from(correct(&model, &greedy(&model, ctx, &e.prompt, head)?, e));
+            let mut right = [0, 0];
+            for (set, examples) in [&clean, &distract].into_iter().enumerate() {
+                for e in examples {
+                    let reply = greedy(&model, ctx, &e.prompt, head)?;
+                    let ok = correct(&model, &reply, e);
+                    right[set] += usize::from(ok);
+                    if !ok && show_wrong {
+                        let prompt = text(&e.prompt);
+                        let user = prompt.rsplit("user\n").next().unwrap_or("");
+                        let user = user.split("<|im_end|>").next().unwrap_or("");
+                        println!(
+                            "  wrong: {user:?} -> {:?} (want {} {})",
+                            text(&reply),
+                            e.intent,
+                            e.id
+                        );
+                    }
+                }
             }
-            let mut b = 0;
-            for e in &distract {
-                b += usize::from(correct(&model, &greedy(&model, ctx, &e.prompt, head)?, e));
-            }
+            let [a, b] = right;
             Ok((a, b))
         };
     let params = |capture_hidden, capture_block| ContextParams {
@@ -193,14 +227,16 @@ fn main() -> anyhow::Result<()> {
     };
 
     // base model
-    if !skip_output {
+    if !skip_output && !stack {
         let mut ctx = Context::new(&model, params(false, Some(0)))?;
         let (a, b) = score(&mut ctx, None)?;
         println!("base model: held-out {a}/30, distractor set {b}/16");
     }
 
     // output-projection LoRA, r = 8
-    if !skip_output {
+    let output = if skip_output {
+        None
+    } else {
         let t0 = std::time::Instant::now();
         let head = OutputHead::from_gguf(&path)?;
         let mut ctx = Context::new(&model, params(true, None))?;
@@ -272,14 +308,16 @@ fn main() -> anyhow::Result<()> {
         println!(
             "output LoRA r=8: held-out {a}/30, distractor set {b}/16 (final loss {last:.4}, {steps} steps in {train_s:.0} s)"
         );
-    }
+        Some(ad)
+    };
+    let stacked = output.as_ref().filter(|_| stack);
 
     // block LoRA on q,v of the last k blocks, r = 8
     for &k in &ks {
         let t0 = std::time::Instant::now();
         let tail = TailModel::from_gguf(&path, k)?;
         let layer = tail.input_layer();
-        let mut ctx = Context::new(&model, params(false, Some(layer)))?;
+        let mut ctx = Context::new(&model, params(stacked.is_some(), Some(layer)))?;
         let mut data = Vec::new();
         for e in &train {
             let all: Vec<Token> = e.prompt.iter().chain(&e.reply).copied().collect();
@@ -296,7 +334,7 @@ fn main() -> anyhow::Result<()> {
             r: rank,
             alpha: 2.0 * rank as f32,
         };
-        let mut lora = BlockLora::fresh(&tail.hp, spec.clone(), 1);
+        let mut lora = BlockLora::fresh(&tail.hp, spec.clone(), 1 + seed);
         let mut g = OrtBlock::new(
             tail,
             spec,
@@ -309,11 +347,12 @@ fn main() -> anyhow::Result<()> {
             &mut g,
             &data,
             &mut lora,
+            stacked.map(Adapter::output_lora),
             SftConfig {
                 steps,
                 batch: 4,
                 lr,
-                seed: 3,
+                seed: 3 + seed,
             },
             |_, _| {},
         )?;
@@ -324,12 +363,17 @@ fn main() -> anyhow::Result<()> {
         std::fs::write(&p, lora.to_gguf())?;
         let ad = LoraAdapter::load(&model, &p)?;
         ctx.set_lora(Some(&ad))?;
-        let (a, b) = score(&mut ctx, None)?;
+        let (a, b) = score(&mut ctx, stacked.map(|o| (o, true)))?;
         ctx.set_lora(None)?;
         let _ = std::fs::remove_dir_all(&dir);
         println!(
-            "block LoRA {} k={k} r={rank} lr={lr} (served by llama.cpp): held-out {a}/30, distractor set {b}/16 (final loss {:.4}, {steps} steps in {train_s:.0} s)",
+            "block LoRA {} k={k} r={rank} lr={lr} (served by llama.cpp{}): held-out {a}/30, distractor set {b}/16 (final loss {:.4}, {steps} steps in {train_s:.0} s)",
             targets.join(","),
+            if stacked.is_some() {
+                ", on top of the output LoRA"
+            } else {
+                ""
+            },
             losses.last().copied().unwrap_or(f32::NAN)
         );
     }

@@ -609,6 +609,89 @@ fn logged_sessions_train_a_block_lora_offline() {
     );
 }
 
+/// A block LoRA is served with its adapter's output-projection LoRA on top, so supervised
+/// training and the gate's log-probs include it: the graph's reply log-prob with a fixed output
+/// LoRA matches llama.cpp's logits plus that LoRA's term on the captured hidden state, and the
+/// first training loss is exactly minus that mean.
+#[test]
+fn supervised_block_training_includes_the_output_lora_it_is_served_with() {
+    use turnwise::adapter::Adapter;
+    use turnwise::learn::block::{mean_reply_logp, train_sft, SftConfig};
+
+    turnwise::graph::runtime::init(true).unwrap();
+    llama::init_backend(false);
+    let path = model_path();
+    let model = Model::load(&path, 0).unwrap();
+    let tail = TailModel::from_gguf(&path, 2).unwrap();
+    let mut ctx = capture_context(&model, tail.input_layer(), true);
+    let caps = captured(&model, &mut ctx, 12);
+    let mut output = Adapter::fresh(576, model.n_vocab(), 4, 8.0, 5, "");
+    let mut rng = Rng::new(11);
+    output
+        .b
+        .mapv_inplace(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.5) as f32);
+    // what the engine samples from: llama.cpp's logits + the output LoRA on result_norm
+    let reference = |with: bool| -> f64 {
+        let (mut sum, mut n) = (0f64, 0usize);
+        for c in &caps {
+            for (i, &t) in c.targets().iter().enumerate() {
+                let mut row = c.logits.row(i).to_vec();
+                if with {
+                    output.apply(&c.hidden[i * 576..(i + 1) * 576], &mut row);
+                }
+                let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+                let z: f64 = row.iter().map(|&x| (x as f64 - m).exp()).sum();
+                sum += row[t] as f64 - m - z.ln();
+                n += 1;
+            }
+        }
+        sum / n as f64
+    };
+    let (plain, with) = (reference(false), reference(true));
+    assert!(
+        (plain - with).abs() > 0.2,
+        "the output LoRA should move the reply log-prob: {plain} vs {with}"
+    );
+    let mut g = OrtBlock::new(
+        tail.clone(),
+        spec(2),
+        BlockGraphKind::Step(StepKind::CrossEntropy { digit_class: false }),
+        true,
+        Device::Cpu,
+        2,
+    )
+    .unwrap();
+    let mut lora = BlockLora::fresh(&tail.hp, spec(2), 1);
+    let (lp_plain, _) = mean_reply_logp(&mut g, &caps, &lora, None).unwrap();
+    let (lp_with, n) = mean_reply_logp(&mut g, &caps, &lora, Some(output.output_lora())).unwrap();
+    assert_eq!(n, caps.iter().map(|c| c.scored.len()).sum::<usize>());
+    // the gap is the graph's parity gap (0.005-0.014 nats measured), not the LoRA term
+    assert!((lp_plain - plain).abs() < 0.05, "{lp_plain} vs {plain}");
+    assert!((lp_with - with).abs() < 0.05, "{lp_with} vs {with}");
+    // one batch of every session: the first loss is minus the token mean under the output LoRA
+    let losses = train_sft(
+        &mut g,
+        &caps,
+        &mut lora,
+        Some(output.output_lora()),
+        SftConfig {
+            steps: 6,
+            batch: caps.len(),
+            lr: 2e-3,
+            seed: 1,
+        },
+        |_, _| {},
+    )
+    .unwrap();
+    assert!(
+        (f64::from(losses[0]) + lp_with).abs() < 1e-4,
+        "{losses:?} vs {lp_with}"
+    );
+    assert!(losses[5] < losses[0], "{losses:?}");
+    let (after, _) = mean_reply_logp(&mut g, &caps, &lora, Some(output.output_lora())).unwrap();
+    assert!(after > lp_with, "{after} vs {lp_with}");
+}
+
 /// `turnwise demo --quick --block-warm 2`: the warm start gains a block LoRA on the
 /// demonstrations, it is served for the evaluations, and RL candidates keep it.
 #[test]

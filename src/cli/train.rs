@@ -339,7 +339,8 @@ enum AdaptersCmd {
 
 /// Supervised training of a block LoRA on logged sessions: teacher-forced cross-entropy on every
 /// assistant token, from the block inputs logged with `--block-capture K`. The candidate keeps
-/// its parent's output LoRA and value head.
+/// its parent's output LoRA and value head; the block LoRA is trained (and the gate's KL
+/// measured) with that output LoRA on top, as the engine serves them.
 fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     use turnwise::adapter::block::BlockLora;
     use turnwise::graph::block::{BlockGraphKind, BlockSpec, OrtBlock};
@@ -424,10 +425,13 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         ProgressStyle::with_template("block SFT {bar:30} {pos}/{len} steps, loss {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    // the candidate is served with its parent's output LoRA: train and score under it
+    let output = Some(adapter.output_lora());
     let losses = train_sft(
         &mut g,
         &data,
         &mut lora,
+        output,
         SftConfig {
             steps,
             batch,
@@ -443,8 +447,8 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     // the approximate KL to the parent on the tokens trained on, as the other updates measure it
     let kl = match &parent_lora {
         Some(p) => {
-            let (old, n) = mean_reply_logp(&mut g, &data, p)?;
-            let (new, _) = mean_reply_logp(&mut g, &data, &lora)?;
+            let (old, n) = mean_reply_logp(&mut g, &data, p, output)?;
+            let (new, _) = mean_reply_logp(&mut g, &data, &lora, output)?;
             Some((old - new, old, new, n))
         }
         None => None,

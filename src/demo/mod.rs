@@ -1234,8 +1234,9 @@ impl<'a> Demo<'a> {
         Ok(id)
     }
 
-    /// Trains a block LoRA (q,v, r = 8, last `k` blocks) on the imported demonstrations and
-    /// writes it, with the output-LoRA warm start `parent`'s other parts, as a new version.
+    /// Trains a block LoRA (q,v, r = 8, last `k` blocks) on the imported demonstrations, on top
+    /// of the output-LoRA warm start `parent` (fixed: the policy trained is the one served), and
+    /// writes it, with `parent`'s other parts, as a new version.
     fn block_warm_start(
         &mut self,
         parent: i64,
@@ -1302,10 +1303,14 @@ impl<'a> Demo<'a> {
             crate::graph::Device::Cpu,
             self.cfg.warm.threads,
         )?;
+        // served on top of the parent's output LoRA: trained on top of it
+        let rec = self.store.adapter(parent)?;
+        let mut adapter = Adapter::load(Path::new(&rec.path))?;
         let losses = train_sft(
             &mut g,
             &data,
             &mut lora,
+            Some(adapter.output_lora()),
             crate::learn::block::SftConfig {
                 steps,
                 batch,
@@ -1314,8 +1319,6 @@ impl<'a> Demo<'a> {
             },
             |_, _| progress(Progress::Tick("block warm start")),
         )?;
-        let rec = self.store.adapter(parent)?;
-        let mut adapter = Adapter::load(Path::new(&rec.path))?;
         adapter.block = Some(lora);
         let id = self.store.register_adapter(Some(parent), |id| {
             crate::adapter::adapter_dir(&self.db, id)

@@ -2,11 +2,11 @@
 //! measuring how closely the ONNX graph reproduces llama.cpp's logits, and supervised
 //! (teacher-forced cross-entropy) training of a [`BlockLora`].
 
-use ndarray::{Array2, Axis};
+use ndarray::{Array2, ArrayView2, Axis};
 
 use crate::adapter::block::BlockLora;
 use crate::error::{Error, Result};
-use crate::graph::block::{BlockRows, OrtBlock};
+use crate::graph::block::{BlockRows, OrtBlock, PolicyHead};
 use crate::graph::step::ObjectiveInputs;
 use crate::learn::update::AdamW;
 use crate::policy::llama::{Context, Token};
@@ -263,9 +263,16 @@ pub struct SftConfig {
     pub seed: u64,
 }
 
+/// The output-projection LoRA a block LoRA is served together with, `(A [r, n_embd],
+/// B [n_vocab, r], scale)`: fixed while the block LoRA trains, so the trained and scored policy
+/// is the one llama.cpp plus the engine's output adapter will sample from.
+pub type OutputLora<'a> = (ArrayView2<'a, f32>, ArrayView2<'a, f32>, f32);
+
 /// Teacher-forced cross-entropy on captured sessions (`graph` built as a cross-entropy step):
 /// each step concatenates `batch` sessions, weights every reply token by 1 / (tokens in the
-/// batch), and applies AdamW. Returns the loss of every step.
+/// batch), and applies AdamW to `lora`. The policy trained is the blocks with `lora` plus the
+/// fixed `output` LoRA the adapter is served with (None: the model's own output projection).
+/// Returns the loss of every step.
 ///
 /// # Errors
 /// Graph errors; [`Error::Invalid`] when a loss is not finite (the adapter is left as it was
@@ -274,6 +281,7 @@ pub fn train_sft(
     graph: &mut OrtBlock,
     data: &[Captured],
     lora: &mut BlockLora,
+    output: Option<OutputLora<'_>>,
     cfg: SftConfig,
     mut progress: impl FnMut(usize, f32),
 ) -> Result<Vec<f32>> {
@@ -326,7 +334,11 @@ pub fn train_sft(
             seg,
             scored,
         };
-        let (loss, _, grads) = graph.step(&rows, &lora.factors, &obj)?;
+        let head = PolicyHead {
+            output,
+            ..PolicyHead::default()
+        };
+        let (loss, _, grads) = graph.step_policy(&rows, &lora.factors, &head, &obj)?;
         if !loss.is_finite() {
             return Err(Error::Invalid(format!(
                 "cross-entropy is {loss} at step {step}; the adapter keeps its previous values"
@@ -346,7 +358,8 @@ pub fn train_sft(
     Ok(losses)
 }
 
-/// The mean log-prob of the reply tokens of `data` under `lora` (a graph built as a
+/// The mean log-prob of the reply tokens of `data` under `lora` with the fixed `output` LoRA
+/// on top (a graph built as a
 /// cross-entropy step; its log-probs are read, its gradients ignored), one session per run, and
 /// the number of tokens. `turnwise train --algo sft --block-k` gates its candidate on the
 /// difference between the parent's and the candidate's value (the approximate KL of the other
@@ -358,7 +371,12 @@ pub fn mean_reply_logp(
     graph: &mut OrtBlock,
     data: &[Captured],
     lora: &BlockLora,
+    output: Option<OutputLora<'_>>,
 ) -> Result<(f64, usize)> {
+    let head = PolicyHead {
+        output,
+        ..PolicyHead::default()
+    };
     let (mut sum, mut n) = (0f64, 0usize);
     for c in data {
         let targets = c.targets();
@@ -367,7 +385,7 @@ pub fn mean_reply_logp(
         }
         let w = vec![1.0 / targets.len() as f32; targets.len()];
         let obj = ObjectiveInputs::cross_entropy(&targets, w);
-        let (_, logp, _) = graph.step(&c.rows(), &lora.factors, &obj)?;
+        let (_, logp, _) = graph.step_policy(&c.rows(), &lora.factors, &head, &obj)?;
         if let Some(bad) = logp.iter().find(|l| !l.is_finite()) {
             return Err(Error::Invalid(format!("a reply token's log-prob is {bad}")));
         }
