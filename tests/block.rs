@@ -75,21 +75,28 @@ fn captured(model: &Model, ctx: &mut Context, n_new: usize) -> Vec<Captured> {
     .collect()
 }
 
+/// The default model, its last `k` blocks, a context capturing their input (and `result_norm`
+/// with `hidden`), and two requests answered in it with `n_new` sampled tokens each.
+fn real_tail(k: usize, hidden: bool, n_new: usize) -> (Model, TailModel, Context, Vec<Captured>) {
+    turnwise::graph::runtime::init(true).unwrap();
+    llama::init_backend(false);
+    let path = model_path();
+    let model = Model::load(&path, 0).unwrap();
+    let tail = TailModel::from_gguf(&path, k).unwrap();
+    let mut ctx = capture_context(&model, tail.input_layer(), hidden);
+    let caps = captured(&model, &mut ctx, n_new);
+    (model, tail, ctx, caps)
+}
+
 /// The whole serving loop of a block adapter: logits recomputed from captured activations are
 /// close to llama.cpp's; a zero GGUF LoRA leaves llama.cpp's logits bit-identical; a random one
 /// changes them the way the graph predicts; the PEFT export reads back with HF names and shapes
 /// and converts back to the same adapter.
 #[test]
 fn a_gguf_block_lora_changes_llama_cpp_logits_as_the_graph_predicts() {
-    turnwise::graph::runtime::init(true).unwrap();
-    llama::init_backend(false);
-    let path = model_path();
-    let model = Model::load(&path, 0).unwrap();
-    let tail = TailModel::from_gguf(&path, 2).unwrap();
+    let (model, tail, mut ctx, caps) = real_tail(2, false, 12);
     assert_eq!(tail.input_layer(), 27, "SmolLM2-135M has 30 blocks");
     let hp = tail.hp.clone();
-    let mut ctx = capture_context(&model, tail.input_layer(), false);
-    let caps = captured(&model, &mut ctx, 12);
     assert_eq!(caps[0].x.ncols(), 576);
     for c in &caps {
         assert_eq!(c.scored.len(), c.logits.nrows());
@@ -193,13 +200,8 @@ fn a_gguf_block_lora_changes_llama_cpp_logits_as_the_graph_predicts() {
 /// finite differences of its loss.
 #[test]
 fn block_step_gradients_match_finite_differences_on_the_real_model() {
-    turnwise::graph::runtime::init(true).unwrap();
-    llama::init_backend(false);
-    let path = model_path();
-    let model = Model::load(&path, 0).unwrap();
-    let tail = TailModel::from_gguf(&path, 1).unwrap();
-    let mut ctx = capture_context(&model, tail.input_layer(), false);
-    let c = &captured(&model, &mut ctx, 4)[0];
+    let (_, tail, _, caps) = real_tail(1, false, 4);
+    let c = &caps[0];
     let sp = BlockSpec {
         k: 1,
         targets: vec!["v".into()],
@@ -618,13 +620,7 @@ fn supervised_block_training_includes_the_output_lora_it_is_served_with() {
     use turnwise::adapter::Adapter;
     use turnwise::learn::block::{mean_reply_logp, train_sft, SftConfig};
 
-    turnwise::graph::runtime::init(true).unwrap();
-    llama::init_backend(false);
-    let path = model_path();
-    let model = Model::load(&path, 0).unwrap();
-    let tail = TailModel::from_gguf(&path, 2).unwrap();
-    let mut ctx = capture_context(&model, tail.input_layer(), true);
-    let caps = captured(&model, &mut ctx, 12);
+    let (model, tail, _, caps) = real_tail(2, true, 12);
     let mut output = Adapter::fresh(576, model.n_vocab(), 4, 8.0, 5, "");
     let mut rng = Rng::new(11);
     output

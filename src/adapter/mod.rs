@@ -12,7 +12,7 @@ pub mod block;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use ndarray::{Array1, Array2, ArrayView2};
+use ndarray::{Array1, Array2};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
@@ -110,7 +110,7 @@ impl Adapter {
     }
 
     /// The output-projection LoRA as the block graphs take it: `(A, B, scale)`.
-    pub fn output_lora(&self) -> (ArrayView2<'_, f32>, ArrayView2<'_, f32>, f32) {
+    pub fn output_lora(&self) -> crate::graph::block::OutputLora<'_> {
         (self.a.view(), self.b.view(), self.scale())
     }
 

@@ -338,6 +338,10 @@ pub struct OrtBlock {
 /// Output of a step: loss, new log-probs, gradients in [`BlockFactors`] order.
 pub type BlockStepOutput = (f32, Vec<f32>, BlockFactors);
 
+/// An output-projection LoRA as the step graphs take it, `(A [r, n_embd], B [n_vocab, r],
+/// scale)`, on the final normalised hidden state.
+pub type OutputLora<'a> = (ArrayView2<'a, f32>, ArrayView2<'a, f32>, f32);
+
 /// How a step graph turns the model's logits at the scored rows into the policy the tokens
 /// were sampled from: the output-projection LoRA (fixed, not trained here), the sampling
 /// temperature and the sampler's support. The default is the model itself.
@@ -345,7 +349,7 @@ pub type BlockStepOutput = (f32, Vec<f32>, BlockFactors);
 pub struct PolicyHead<'a> {
     /// the output-projection LoRA `(A [r, n_embd], B [n_vocab, r], scale)` on the final
     /// normalised hidden state
-    pub output: Option<(ArrayView2<'a, f32>, ArrayView2<'a, f32>, f32)>,
+    pub output: Option<OutputLora<'a>>,
     /// per scored row, 1 / temperature (empty: 1)
     pub inv_t: Vec<f32>,
     /// per scored row, added to the tempered logits: 0, or a large negative value for a

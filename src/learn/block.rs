@@ -2,11 +2,11 @@
 //! measuring how closely the ONNX graph reproduces llama.cpp's logits, and supervised
 //! (teacher-forced cross-entropy) training of a [`BlockLora`].
 
-use ndarray::{Array2, ArrayView2, Axis};
+use ndarray::{Array2, Axis};
 
 use crate::adapter::block::BlockLora;
 use crate::error::{Error, Result};
-use crate::graph::block::{BlockRows, OrtBlock, PolicyHead};
+use crate::graph::block::{BlockRows, OrtBlock, OutputLora, PolicyHead};
 use crate::graph::step::ObjectiveInputs;
 use crate::learn::update::AdamW;
 use crate::policy::llama::{Context, Token};
@@ -262,11 +262,6 @@ pub struct SftConfig {
     /// shuffling seed
     pub seed: u64,
 }
-
-/// The output-projection LoRA a block LoRA is served together with, `(A [r, n_embd],
-/// B [n_vocab, r], scale)`: fixed while the block LoRA trains, so the trained and scored policy
-/// is the one llama.cpp plus the engine's output adapter will sample from.
-pub type OutputLora<'a> = (ArrayView2<'a, f32>, ArrayView2<'a, f32>, f32);
 
 /// Teacher-forced cross-entropy on captured sessions (`graph` built as a cross-entropy step):
 /// each step concatenates `batch` sessions, weights every reply token by 1 / (tokens in the
