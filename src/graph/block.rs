@@ -347,8 +347,7 @@ pub type OutputLora<'a> = (ArrayView2<'a, f32>, ArrayView2<'a, f32>, f32);
 /// temperature and the sampler's support. The default is the model itself.
 #[derive(Debug, Clone, Default)]
 pub struct PolicyHead<'a> {
-    /// the output-projection LoRA `(A [r, n_embd], B [n_vocab, r], scale)` on the final
-    /// normalised hidden state
+    /// the output-projection LoRA (None: the model's own output projection)
     pub output: Option<OutputLora<'a>>,
     /// per scored row, 1 / temperature (empty: 1)
     pub inv_t: Vec<f32>,

@@ -290,6 +290,10 @@ pub fn train_sft(
         .chain(&lora.factors.b)
         .map(|m| m.dim())
         .collect();
+    let head = PolicyHead {
+        output,
+        ..PolicyHead::default()
+    };
     let mut opt = AdamW::new(&shapes);
     let mut rng = crate::policy::sampler::Rng::new(cfg.seed);
     let mut order: Vec<usize> = (0..data.len()).collect();
@@ -329,10 +333,6 @@ pub fn train_sft(
             seg,
             scored,
         };
-        let head = PolicyHead {
-            output,
-            ..PolicyHead::default()
-        };
         let (loss, _, grads) = graph.step_policy(&rows, &lora.factors, &head, &obj)?;
         if !loss.is_finite() {
             return Err(Error::Invalid(format!(
@@ -353,10 +353,9 @@ pub fn train_sft(
     Ok(losses)
 }
 
-/// The mean log-prob of the reply tokens of `data` under `lora` with the fixed `output` LoRA
-/// on top (a graph built as a
-/// cross-entropy step; its log-probs are read, its gradients ignored), one session per run, and
-/// the number of tokens. `turnwise train --algo sft --block-k` gates its candidate on the
+/// The mean log-prob of the reply tokens of `data` under `lora` with the fixed `output` LoRA on
+/// top (a graph built as a cross-entropy step; its log-probs are read, its gradients ignored),
+/// one session per run, and the number of tokens. `turnwise train --algo sft --block-k` gates its candidate on the
 /// difference between the parent's and the candidate's value (the approximate KL of the other
 /// updates: the mean of `logp_parent − logp_candidate` over the tokens trained on).
 ///
