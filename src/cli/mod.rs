@@ -1,10 +1,12 @@
 //! Command-line interface: one file per subcommand, each with a `run`.
 
 mod bench;
+mod bench_formats;
 mod bench_load;
 mod bench_serve;
 mod chat;
 mod compare;
+mod convert;
 mod demo;
 mod fetch;
 mod gc;
@@ -29,6 +31,17 @@ pub struct Cli {
     /// Show debug logs, llama.cpp's included
     #[arg(short, long, global = true)]
     verbose: bool,
+    /// Which file of the default model the policy runs on: `converted` (requantised once to
+    /// IQ4_NL_M, which llama.cpp's CPU backend runs with batched kernels) or `shipped` (the Q4_1
+    /// file as published). A --model path is always used as it is
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        env = "TURNWISE_MODEL_FORMAT",
+        default_value = "converted"
+    )]
+    model_format: assets::ModelFormat,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -45,8 +58,10 @@ enum Cmd {
     Import(import::ImportArgs),
     /// Export logged sessions as JSON Lines (the import format, with outcomes and annotations)
     Export(import::ExportArgs),
-    /// Download and verify the default model and ONNX Runtime into the cache
+    /// Download and verify the default model (and convert it) and ONNX Runtime into the cache
     Fetch(fetch::FetchArgs),
+    /// Requantise a GGUF model with llama.cpp's quantizer (e.g. to IQ4_NL_M, batched on the CPU)
+    Convert(convert::ConvertArgs),
     /// Drop the hidden-state features of old sessions that have been learned from
     Gc(gc::GcArgs),
     /// List or show logged sessions, and storage statistics
@@ -66,7 +81,8 @@ enum Cmd {
 /// Options shared by every command that loads the model.
 #[derive(Args, Clone)]
 pub struct ModelArgs {
-    /// GGUF model file [env: TURNWISE_MODEL; default: SmolLM2-135M-Instruct Q4_1, fetched on first use]
+    /// GGUF model file, served as it is [env: TURNWISE_MODEL; default: SmolLM2-135M-Instruct,
+    /// fetched on first use and converted to IQ4_NL_M (see --model-format)]
     #[arg(long)]
     model: Option<PathBuf>,
     /// Context window in tokens
@@ -122,6 +138,7 @@ pub fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    assets::set_model_format(cli.model_format);
     let db = db_path(&cli.db);
     let result = match cli.cmd {
         // the demo writes its own turn log in its run directory: a --db would be ignored
@@ -134,6 +151,7 @@ pub fn main() -> ExitCode {
         Cmd::Import(a) => import::run(a, &db, cli.verbose),
         Cmd::Export(a) => import::export(a, &db),
         Cmd::Fetch(a) => fetch::run(a),
+        Cmd::Convert(a) => convert::run(a),
         Cmd::Gc(a) => gc::run(a, &db),
         Cmd::Sessions(a) => sessions::run(a, &db),
         Cmd::Bench(a) => bench::run(a, cli.verbose),

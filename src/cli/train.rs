@@ -218,6 +218,7 @@ pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<
     )?;
     let active = active_adapter(&store)?;
     let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
+    store.set_policy_model(&assets::model_stamp_json(&model));
     let head = OutputHead::from_gguf(&model)?;
     let fresh = Adapter::fresh(head.n_embd(), head.n_vocab(), 8, 16.0, 0, "");
     let (mut vid, mut value) = match &active {
@@ -352,6 +353,7 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     let targets = block_targets(&args.block_targets)?;
     let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
     let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
+    store.set_policy_model(&assets::model_stamp_json(&model));
     let tail = TailModel::from_gguf(&model, k)?;
     let layer = tail.input_layer();
     let sessions = store.training_sessions(
@@ -708,6 +710,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     }
     let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
     let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
+    store.set_policy_model(&assets::model_stamp_json(&model));
     let head = OutputHead::from_gguf(&model)?;
     let mut cfg = TrainConfig::preset(args.algo);
     if let Some(v) = args.epochs {

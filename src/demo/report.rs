@@ -217,12 +217,12 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
     );
     let _ = writeln!(
         s,
-        "Model `{}`; {} held-out scenarios (templates never used in training), greedy replies, at most {} agent replies of {} tokens. \
+        "Model `{}` (file {}); {} held-out scenarios (templates never used in training), greedy replies, at most {} agent replies of {} tokens. \
          Order ids written through the id slot (only ids the conversation holds): {}. \
          Customers repeat their request when they give the order id: {}. \
          Warm start: {} scripted-expert demonstrations, {} epochs of supervised fine-tuning{}. \
          RL: {} scenarios{} × {} rollouts per iteration at temperature {}{}, lr {}, clip range [1 − {}, 1 + {}], {} epochs, process signal `{:?}`{}, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
-        r.model, c.eval_scenarios, c.patience, c.max_tokens,
+        r.model, model_file_line(&r.model_file), c.eval_scenarios, c.patience, c.max_tokens,
         if c.id_slot { "on" } else { "off" },
         if c.restate { "on" } else { "off" },
         c.demos, c.warm.epochs,
@@ -434,6 +434,19 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
          and the `turn_credit` view for each turn's credit."
     );
     s
+}
+
+/// `name, TYPE (origin), sha256 abcdef12…` from a model stamp.
+fn model_file_line(m: &serde_json::Value) -> String {
+    let get = |k: &str| m.get(k).and_then(|v| v.as_str()).unwrap_or("?");
+    let sha = get("sha256");
+    format!(
+        "`{}`, {} ({}), sha256 {}…",
+        get("file"),
+        get("file_type"),
+        get("origin"),
+        &sha[..sha.len().min(12)]
+    )
 }
 
 /// Writes `result.json`, the plots and `report.md` into `dir`; returns the files written.

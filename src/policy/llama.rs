@@ -102,6 +102,13 @@ impl Model {
         unsafe { sys::llama_vocab_is_eog(self.vocab.as_ptr(), token) }
     }
 
+    /// True for control tokens (`<|im_start|>` and the like): template markup, never text.
+    pub fn is_control(&self, token: Token) -> bool {
+        // SAFETY: vocab is live; any token id is accepted.
+        let attr = unsafe { sys::llama_vocab_get_attr(self.vocab.as_ptr(), token) };
+        (attr as u32) & (sys::LLAMA_TOKEN_ATTR_CONTROL as u32) != 0
+    }
+
     /// The end-of-turn token, falling back to EOS.
     pub fn eot(&self) -> Option<Token> {
         // SAFETY: vocab is live.
@@ -789,4 +796,206 @@ pub fn round_through(ty: u32, row: &[f32]) -> Result<Vec<f32>> {
         );
         dequantize(ty, &q, row.len())
     }
+}
+
+/// A weight type (or mix) llama.cpp's quantizer can write: a `llama_ftype`, plus two mixes of
+/// ours where the FFN down-projections, the only matrices of the default model whose rows are a
+/// multiple of 256 values, are Q4_K (4-bit with a scale and a minimum per 32 weights, like
+/// Q4_1, so it holds a Q4_1 matrix almost exactly) and the rest is Q4_0 or IQ4_NL.
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FileType {
+    /// 4-bit, one f16 scale per 32 weights; repacked for batched GEMM on AVX2 / NEON
+    Q4_0,
+    /// 4-bit with a scale and a minimum per 32 weights (the shipped default model)
+    Q4_1,
+    /// 4-bit non-linear codebook, one scale per 32 weights, repacked like Q4_0
+    IQ4_NL,
+    /// 8-bit, tinyBLAS for prompts on x86
+    Q8_0,
+    /// llama.cpp's k-quant mix, 4-bit medium (rows not a multiple of 256 fall back to 32-blocks)
+    Q4_K_M,
+    /// Q4_0, with `ffn_down` in Q4_K (both repacked on AVX2)
+    Q4_0_M,
+    /// IQ4_NL, with `ffn_down` in Q4_K (both repacked on AVX2)
+    IQ4_NL_M,
+}
+
+impl FileType {
+    /// Every type `turnwise convert` accepts.
+    pub const ALL: [FileType; 7] = [
+        FileType::Q4_0,
+        FileType::Q4_1,
+        FileType::IQ4_NL,
+        FileType::Q8_0,
+        FileType::Q4_K_M,
+        FileType::Q4_0_M,
+        FileType::IQ4_NL_M,
+    ];
+
+    /// The name (llama.cpp's for its own types: `Q4_0`, `IQ4_NL`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            FileType::Q4_0 => "Q4_0",
+            FileType::Q4_1 => "Q4_1",
+            FileType::IQ4_NL => "IQ4_NL",
+            FileType::Q8_0 => "Q8_0",
+            FileType::Q4_K_M => "Q4_K_M",
+            FileType::Q4_0_M => "Q4_0_M",
+            FileType::IQ4_NL_M => "IQ4_NL_M",
+        }
+    }
+
+    /// Parses a type name, case-insensitively.
+    pub fn parse(s: &str) -> Option<FileType> {
+        FileType::ALL
+            .into_iter()
+            .find(|t| t.name().eq_ignore_ascii_case(s.trim()))
+    }
+
+    fn ftype(self) -> sys::llama_ftype {
+        match self {
+            FileType::Q4_0 | FileType::Q4_0_M => sys::LLAMA_FTYPE_MOSTLY_Q4_0,
+            FileType::Q4_1 => sys::LLAMA_FTYPE_MOSTLY_Q4_1,
+            FileType::IQ4_NL | FileType::IQ4_NL_M => sys::LLAMA_FTYPE_MOSTLY_IQ4_NL,
+            FileType::Q8_0 => sys::LLAMA_FTYPE_MOSTLY_Q8_0,
+            FileType::Q4_K_M => sys::LLAMA_FTYPE_MOSTLY_Q4_K_M,
+        }
+    }
+
+    /// Tensor-name patterns (llama.cpp regexes) written in another type than the file's.
+    fn overrides(self) -> &'static [(&'static str, u32)] {
+        match self {
+            FileType::Q4_0_M | FileType::IQ4_NL_M => &[("ffn_down", sys::GGML_TYPE_Q4_K)],
+            _ => &[],
+        }
+    }
+}
+
+impl std::fmt::Display for FileType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Name of a `general.file_type` value as llama.cpp prints it (e.g. `Q4_1`), or `type N`.
+pub fn ftype_name(ftype: u32) -> String {
+    // SAFETY: llama_ftype_name returns a static string for every value (an "unknown" one for
+    // values it does not know).
+    let s = unsafe { CStr::from_ptr(sys::llama_ftype_name(ftype as sys::llama_ftype)) };
+    let s = s.to_string_lossy();
+    // "Q4_0" / "Q4_K - Medium" / "IQ4_NL - 4.5 bpw": keep the short form
+    s.split(" - ")
+        .next()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| format!("type {ftype}"))
+}
+
+/// Name of a ggml tensor type (`q4_0`, `q8_0`, `f32`, …).
+pub fn ggml_type_name(ty: u32) -> String {
+    // SAFETY: ggml_type_name returns a static string, or null for an unknown type.
+    unsafe {
+        let p = sys::ggml_type_name(ty as sys::ggml_type);
+        if p.is_null() {
+            format!("type {ty}")
+        } else {
+            CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}
+
+/// Writes `dst` as `src` requantised to `ty` by llama.cpp's own quantizer
+/// (`llama_model_quantize` with `allow_requantize`, no importance matrix; the output and
+/// token-embedding tensors follow llama.cpp's per-type rules). `dst` is overwritten.
+///
+/// # Errors
+/// [`Error::BadModel`] when llama.cpp refuses the input or cannot write the output.
+pub fn quantize(src: &Path, dst: &Path, ty: FileType, n_threads: i32) -> Result<()> {
+    let bad = |path: &Path, reason: &str| Error::BadModel {
+        path: path.into(),
+        reason: reason.into(),
+    };
+    let csrc = CString::new(src.to_string_lossy().as_bytes())
+        .map_err(|_| bad(src, "path contains a NUL byte"))?;
+    let cdst = CString::new(dst.to_string_lossy().as_bytes())
+        .map_err(|_| bad(dst, "path contains a NUL byte"))?;
+    let patterns: Vec<CString> = ty
+        .overrides()
+        .iter()
+        .filter_map(|(p, _)| CString::new(*p).ok())
+        .collect();
+    // a null pattern ends the list
+    let mut overrides: Vec<sys::llama_model_tensor_override> = patterns
+        .iter()
+        .zip(ty.overrides())
+        .map(|(p, (_, t))| sys::llama_model_tensor_override {
+            pattern: p.as_ptr(),
+            type_: *t as sys::ggml_type,
+        })
+        .collect();
+    overrides.push(sys::llama_model_tensor_override {
+        pattern: std::ptr::null(),
+        type_: 0,
+    });
+    // SAFETY: default params are plain data (null pointers for imatrix, key overrides and
+    // pruning); the paths, the patterns and the override list outlive the call, and the list
+    // ends with a null pattern.
+    let rc = unsafe {
+        let mut p = sys::llama_model_quantize_default_params();
+        p.nthread = n_threads;
+        p.ftype = ty.ftype();
+        p.allow_requantize = true;
+        if overrides.len() > 1 {
+            p.tt_overrides = overrides.as_ptr();
+        }
+        sys::llama_model_quantize(csrc.as_ptr(), cdst.as_ptr(), &p)
+    };
+    if rc != 0 {
+        return Err(bad(
+            src,
+            &format!(
+                "llama.cpp's quantizer failed to write {} as {ty} (status {rc}; run with -v to see its log)",
+                dst.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The lines llama.cpp logged while `f` ran (its log callback is swapped for a collecting one
+/// and put back afterwards). Used to read what the model loader reports, such as the size of
+/// each weight buffer type (`CPU_REPACK model buffer size = …`).
+pub fn capture_log<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
+    unsafe extern "C" fn collect(
+        _level: sys::ggml_log_level,
+        text: *const c_char,
+        ud: *mut c_void,
+    ) {
+        if text.is_null() || ud.is_null() {
+            return;
+        }
+        // SAFETY: ud is the Vec<String> below, alive and exclusively used by this callback
+        // while the capture lasts; text is a NUL-terminated string from llama.cpp.
+        let lines = &mut *(ud as *mut Vec<String>);
+        lines.push(CStr::from_ptr(text).to_string_lossy().into_owned());
+    }
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut lines: Vec<String> = Vec::new();
+    let mut prev_cb: sys::ggml_log_callback = None;
+    let mut prev_ud: *mut c_void = std::ptr::null_mut();
+    // SAFETY: llama_log_get/set swap a global callback; the collecting one only runs while
+    // `lines` lives (restored before it is dropped). Other threads logging meanwhile land in
+    // `lines` too, which is harmless.
+    let out = unsafe {
+        sys::llama_log_get(&mut prev_cb, &mut prev_ud);
+        sys::llama_log_set(Some(collect), &mut lines as *mut Vec<String> as *mut c_void);
+        let out = f();
+        sys::llama_log_set(prev_cb, prev_ud);
+        out
+    };
+    // llama.cpp logs a line in pieces: join them, then split on newlines
+    let text = lines.concat();
+    (out, text.lines().map(str::to_string).collect())
 }

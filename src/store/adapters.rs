@@ -13,8 +13,8 @@ impl Store {
         path_of: impl FnOnce(i64) -> String,
     ) -> Result<i64> {
         self.conn.execute(
-            "INSERT INTO adapters (parent_id, path, status) VALUES (?1, '', 'writing')",
-            params![parent_id],
+            "INSERT INTO adapters (parent_id, path, status, model) VALUES (?1, '', 'writing', ?2)",
+            params![parent_id, self.model],
         )?;
         let id = self.conn.last_insert_rowid();
         self.conn.execute(
@@ -71,7 +71,7 @@ impl Store {
     /// SQLite errors.
     pub fn adapters(&self) -> Result<Vec<AdapterRecord>> {
         let mut st = self.conn.prepare(
-            "SELECT id, parent_id, created_at, path, status, metrics, activated_at FROM adapters ORDER BY id DESC",
+            "SELECT id, parent_id, created_at, path, status, metrics, activated_at, model FROM adapters ORDER BY id DESC",
         )?;
         let rows = st.query_map([], adapter_row)?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
@@ -84,7 +84,7 @@ impl Store {
     pub fn adapter(&self, id: i64) -> Result<AdapterRecord> {
         self.conn
             .query_row(
-                "SELECT id, parent_id, created_at, path, status, metrics, activated_at FROM adapters WHERE id = ?1",
+                "SELECT id, parent_id, created_at, path, status, metrics, activated_at, model FROM adapters WHERE id = ?1",
                 [id],
                 adapter_row,
             )
@@ -100,7 +100,7 @@ impl Store {
         Ok(self
             .conn
             .query_row(
-                "SELECT id, parent_id, created_at, path, status, metrics, activated_at FROM adapters
+                "SELECT id, parent_id, created_at, path, status, metrics, activated_at, model FROM adapters
                  WHERE status = 'active' ORDER BY activated_at DESC LIMIT 1",
                 [],
                 adapter_row,
@@ -189,6 +189,7 @@ impl Store {
     /// # Errors
     /// SQLite errors and non-finite advantages (nothing is written then).
     pub fn commit_candidate(&mut self, c: &CandidateCommit<'_>) -> Result<i64> {
+        let model = self.model.clone();
         let tx = self.write()?;
         let metrics = c.diagnostics.to_string();
         tx.execute(
@@ -196,8 +197,8 @@ impl Store {
             params![c.adapter_id, AdapterStatus::Candidate, metrics],
         )?;
         tx.execute(
-            "INSERT INTO updates (adapter_id, algo, config, diagnostics, status) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![c.adapter_id, c.algo, c.config.to_string(), metrics, UpdateStatus::Ok],
+            "INSERT INTO updates (adapter_id, algo, config, diagnostics, status, model) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![c.adapter_id, c.algo, c.config.to_string(), metrics, UpdateStatus::Ok, model],
         )?;
         let update_id = tx.last_insert_rowid();
         let producer = format!("update:{update_id}");
@@ -230,8 +231,8 @@ impl Store {
         status: UpdateStatus,
     ) -> Result<i64> {
         self.conn.execute(
-            "INSERT INTO updates (adapter_id, algo, config, diagnostics, status) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![adapter_id, algo, config.to_string(), diagnostics.to_string(), status],
+            "INSERT INTO updates (adapter_id, algo, config, diagnostics, status, model) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![adapter_id, algo, config.to_string(), diagnostics.to_string(), status, self.model],
         )?;
         Ok(self.conn.last_insert_rowid())
     }
@@ -247,6 +248,9 @@ fn adapter_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<AdapterRecord> {
         status: r.get(4)?,
         metrics: serde_json::from_str(&m).unwrap_or(serde_json::Value::Null),
         activated_at: r.get(6)?,
+        model: r
+            .get::<_, Option<String>>(7)?
+            .and_then(|m| serde_json::from_str(&m).ok()),
     })
 }
 
