@@ -33,6 +33,20 @@ struct Run {
     iterations: usize,
     activated: usize,
     wall_min: f64,
+    /// how the warm start was made (runs of a seed with the same one share it)
+    warm_kind: String,
+    /// transcripts of the base-model and warm-start evaluations, one JSON text per scenario
+    base_transcripts: Vec<String>,
+    warm_transcripts: Vec<String>,
+}
+
+fn transcripts(r: &Value, label: &str) -> Vec<String> {
+    r["evals"]
+        .as_array()
+        .and_then(|evals| evals.iter().find(|e| e["label"] == label))
+        .and_then(|e| e["transcripts"].as_array())
+        .map(|ts| ts.iter().map(Value::to_string).collect())
+        .unwrap_or_default()
 }
 
 fn successes(r: &Value, label: &str) -> Option<Vec<bool>> {
@@ -87,6 +101,10 @@ fn load(dir: &Path) -> anyhow::Result<Run> {
     };
     let g = &r["rl_gain"];
     let its = r["iterations"].as_array().map_or(&[][..], Vec::as_slice);
+    let warm_kind = match (c["block_warm"].as_u64(), c["rl"]["block"]["k"].as_u64()) {
+        (Some(k), _) | (None, Some(k)) => format!("block k={k}"),
+        _ => "output".to_string(),
+    };
     Ok(Run {
         dir: dir.to_path_buf(),
         preset,
@@ -101,6 +119,9 @@ fn load(dir: &Path) -> anyhow::Result<Run> {
         iterations: its.len(),
         activated: its.iter().filter(|i| i["activated"] == true).count(),
         wall_min: r["wall_s"].as_f64().unwrap_or(0.0) / 60.0,
+        warm_kind,
+        base_transcripts: transcripts(&r, "base"),
+        warm_transcripts: transcripts(&r, "warm start"),
     })
 }
 
@@ -122,6 +143,55 @@ fn rate(v: &[bool]) -> String {
         v.len(),
         100.0 * k as f64 / v.len() as f64
     )
+}
+
+/// How many of two runs' transcripts differ (`None` when either run lacks them or their
+/// numbers differ).
+fn differing(a: &[String], b: &[String]) -> Option<usize> {
+    (!a.is_empty() && a.len() == b.len()).then(|| a.iter().zip(b).filter(|(x, y)| x != y).count())
+}
+
+/// Checks that runs of one seed played the same base-model and warm-start evaluations (runs
+/// with the same warm start hold the same adapter there, and evaluations are played
+/// canonically): a paired comparison between presets is only fair when they did.
+fn shared_evaluations(runs: &[Run]) {
+    let mut groups: BTreeMap<(u64, &str), Vec<&Run>> = BTreeMap::new();
+    for r in runs {
+        groups.entry((r.seed, &r.warm_kind)).or_default().push(r);
+    }
+    let groups: Vec<_> = groups.into_iter().filter(|(_, rs)| rs.len() > 1).collect();
+    if groups.is_empty() {
+        return;
+    }
+    println!("\n| seed | warm start | runs | base-model evaluation | warm-start evaluation |");
+    println!("|---|---|---|---|---|");
+    let say = |label: &str, n: Option<usize>, total: usize| match n {
+        Some(0) => format!("identical ({total} transcripts)"),
+        Some(k) => format!(
+            "**{k} of {total} transcripts differ**: the runs did not play this {label} alike"
+        ),
+        None => "not comparable (missing or of another size)".to_string(),
+    };
+    for ((seed, kind), rs) in groups {
+        let first = rs[0];
+        let mut base = Some(0);
+        let mut warm = Some(0);
+        for r in &rs[1..] {
+            base = base
+                .zip(differing(&first.base_transcripts, &r.base_transcripts))
+                .map(|(a, b)| a.max(b));
+            warm = warm
+                .zip(differing(&first.warm_transcripts, &r.warm_transcripts))
+                .map(|(a, b)| a.max(b));
+        }
+        let presets: Vec<&str> = rs.iter().map(|r| r.preset.as_str()).collect();
+        println!(
+            "| {seed} | {kind} | {} | {} | {} |",
+            presets.join(", "),
+            say("evaluation", base, first.base_transcripts.len()),
+            say("evaluation", warm, first.warm_transcripts.len())
+        );
+    }
 }
 
 /// Prints the comparison as Markdown tables.
@@ -199,6 +269,7 @@ pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    shared_evaluations(&runs);
     if !pairs.is_empty() {
         println!("\n| difference in final held-out success | seeds | points [95 %] |");
         println!("|---|---|---|");

@@ -392,6 +392,9 @@ pub struct DemoResult {
     pub config: DemoConfig,
     /// the model
     pub model: String,
+    /// the model file the policy ran on (name, SHA-256, file type, origin)
+    #[serde(default)]
+    pub model_file: serde_json::Value,
     /// where the times were measured
     pub machine: Machine,
     /// evaluations in order
@@ -567,6 +570,10 @@ pub struct PlaySettings {
     /// constrain every reply's order-id slot to the order ids the conversation holds so far
     /// ([`DemoConfig::id_slot`], [`env::order_ids_in`])
     pub id_slot: bool,
+    /// play the session canonically: on an engine reset first ([`Engine::reset`]) and with no
+    /// other session beside it, so that its transcript depends only on the model file, the
+    /// adapter, the scenario and the thread count (the held-out evaluations)
+    pub canonical: bool,
 }
 
 /// How a played session is logged.
@@ -593,6 +600,9 @@ pub fn play(
     library: Option<&Library>,
 ) -> Result<Played> {
     let (patience, params, key) = (how.patience, &how.params, how.key);
+    if how.canonical {
+        engine.reset()?;
+    }
     let mut desk = Desk::new(scenario.clone(), patience);
     let opening = scenario.opening();
     let mut pending = vec![
@@ -717,17 +727,19 @@ pub fn play(
 /// lane `w` belongs to engine `w mod engines`. The assignment is fixed, not first-free, and
 /// the engines schedule lanes by what they ask, not by timing: llama.cpp's numbers depend on
 /// which sessions share a batch and on what the KV cache holds, so this keeps a seeded run
-/// reproducible. The first error stops the other lanes and is returned.
+/// reproducible. With `one_lane`, every engine plays one session at a time (canonical play,
+/// [`PlaySettings::canonical`]). The first error stops the other lanes and is returned.
 fn on_engines<J: Send, R: Send, S>(
     engines: &[Engine],
     jobs: Vec<J>,
+    one_lane: bool,
     init: impl Fn() -> Result<S> + Sync,
     work: impl Fn(&Engine, &mut S, J) -> Result<R> + Sync,
     tick: &mut dyn FnMut(),
 ) -> Result<Vec<R>> {
     let per_engine = engines
         .iter()
-        .map(|e| e.info().n_seq.max(1))
+        .map(|e| if one_lane { 1 } else { e.info().n_seq.max(1) })
         .min()
         .unwrap_or(1);
     // no more lanes than jobs: an idle lane would only hold the others up
@@ -887,7 +899,8 @@ impl<'a> Demo<'a> {
             return Err(Error::Invalid("the demo needs at least one engine".into()));
         }
         cfg.engines = engines.len();
-        let store = Store::open(db)?;
+        let mut store = Store::open(db)?;
+        store.set_policy_model(&crate::assets::model_stamp_json(&engines[0].info().path));
         let library = if cfg.experience {
             Some(Library::load(&store, LibraryConfig::default())?)
         } else {
@@ -913,6 +926,7 @@ impl<'a> Demo<'a> {
             result: DemoResult {
                 config: cfg.clone(),
                 model: engines[0].info().name.clone(),
+                model_file: crate::assets::model_stamp_json(&engines[0].info().path),
                 machine: Machine::this(engines, cfg.rl.threads),
                 evals: Vec::new(),
                 iterations: Vec::new(),
@@ -981,9 +995,11 @@ impl<'a> Demo<'a> {
             return Ok(out);
         }
         let (db, library) = (&self.db, self.library.as_ref());
+        let one_lane = jobs.iter().any(|j| j.how.canonical);
         on_engines(
             self.engines,
             jobs,
+            one_lane,
             || Store::open(db),
             |engine, store, job| play(engine, store, &job.scenario, &job.how, job.log, library),
             &mut || progress(Progress::Tick(label)),
@@ -1022,6 +1038,7 @@ impl<'a> Demo<'a> {
             ig_context: self.cfg.ig_context,
             ig_policy: self.cfg.ig_policy,
             id_slot: self.cfg.id_slot,
+            canonical: false,
         };
         Job {
             scenario: scenario.clone(),
@@ -1145,7 +1162,16 @@ impl<'a> Demo<'a> {
         };
         let (mut turns, mut malformed) = (0usize, 0usize);
         let scenarios: Vec<Scenario> = self.held_out.iter().take(n).cloned().collect();
-        let jobs = scenarios.iter().map(|s| self.greedy_job(s)).collect();
+        // canonical play: an evaluation's transcripts depend only on the model file, the
+        // adapter, the scenario and the thread count, whatever the preset did before
+        let jobs = scenarios
+            .iter()
+            .map(|s| {
+                let mut j = self.greedy_job(s);
+                j.how.canonical = true;
+                j
+            })
+            .collect();
         for p in self.play_all(jobs, label, progress)? {
             ev.success.push(p.desk.success());
             ev.reward.push(p.desk.reward());
@@ -1194,6 +1220,7 @@ impl<'a> Demo<'a> {
         let rescored = on_engines(
             self.engines,
             demos,
+            false,
             || Ok(()),
             |engine, (), c| rescore_conversation(engine, &c),
             &mut || progress(Progress::Tick("demonstrations")),
@@ -1404,6 +1431,7 @@ impl<'a> Demo<'a> {
                     ig_context: self.cfg.ig_context,
                     ig_policy: self.cfg.ig_policy,
                     id_slot: self.cfg.id_slot,
+                    canonical: false,
                 };
                 jobs.push(Job {
                     scenario: s.clone(),

@@ -244,6 +244,9 @@ enum Command {
         with_adapter: bool,
         reply: Reply1<f64>,
     },
+    Reset {
+        reply: Reply1<()>,
+    },
     /// lanes that will send requests from now on ([`Engine::lanes`])
     Lanes {
         ids: Vec<u32>,
@@ -676,6 +679,20 @@ impl Engine {
         }))
     }
 
+    /// Brings the engine's cache to its canonical state: waits for the generations in flight,
+    /// then drops every cached cell of every sequence and forgets which sequence was used last,
+    /// so the next request decodes from cell 0 of sequence 0. A session started after a reset,
+    /// with nothing else generating beside it, gets numbers that depend only on its own tokens
+    /// (llama.cpp's sums depend on where cells sit and on what else shares a batch); the
+    /// demo's evaluations run that way. Sessions keep their token history and are re-decoded
+    /// when they ask again.
+    ///
+    /// # Errors
+    /// [`Error::EngineGone`].
+    pub fn reset(&self) -> Result<()> {
+        Self::wait(self.call(|reply| Command::Reset { reply }))
+    }
+
     /// Forgets a session's in-memory state (its log stays in the store).
     pub fn close(&self, session: u64) {
         let _ = self.tx.send(Envelope {
@@ -767,6 +784,9 @@ struct Worker {
     act_type: u32,
     /// end-of-generation tokens (masked when `ignore_eog`)
     eog: Vec<Token>,
+    /// control tokens that do not end a turn (`<|im_start|>`, …): never sampled, so that what
+    /// the engine appends is exactly what the client sees and the log holds
+    control: Vec<Token>,
     /// per token id: its piece writes only digits (for `greedy_digits`)
     digits: Vec<bool>,
     /// the tokens whose text holds an ASCII digit, with that text: the only ones that can
@@ -875,6 +895,9 @@ impl Worker {
         let eog = (0..model.n_vocab() as Token)
             .filter(|&t| model.is_eog(t))
             .collect();
+        let control = (0..model.n_vocab() as Token)
+            .filter(|&t| model.is_control(t) && !model.is_eog(t))
+            .collect();
         let mut digits = Vec::with_capacity(model.n_vocab());
         let mut digit_pieces = Vec::new();
         for t in 0..model.n_vocab() as Token {
@@ -894,6 +917,7 @@ impl Worker {
             turn_end,
             act_type,
             eog,
+            control,
             digits,
             digit_pieces,
             n_embd: model.n_embd(),
@@ -968,11 +992,18 @@ impl Worker {
         }
     }
 
-    /// Whether an open lane is between requests: nothing of it waits in the queue and no reply
-    /// of it is being generated, so it will send something (or finish) — the engine waits.
+    /// Whether an open lane is between requests: nothing of it that it waits for is in the
+    /// queue and no reply of it is being generated, so it will send something (or finish) —
+    /// the engine waits. A queued `Close` does not count: a lane sends it without waiting and
+    /// goes on to its next request, and a step taken before that request arrives would make
+    /// which batch the next session joins depend on thread timing (seen as evaluations that
+    /// differed between two runs of one seed after a session ended on a lane).
     fn lane_working(&self) -> bool {
         self.lanes.iter().any(|&l| {
-            !self.queue.iter().any(|e| e.lane == Some(l))
+            !self
+                .queue
+                .iter()
+                .any(|e| e.lane == Some(l) && !matches!(e.cmd, Command::Close { .. }))
                 && !self.active.iter().any(|g| g.lane == Some(l))
         })
     }
@@ -1032,9 +1063,10 @@ impl Worker {
             | Command::Restore { session, .. } => !self.generating(*session),
             Command::ScoreReference { .. } => self.free_slot(),
             // a rescoring starts from an empty cache, so it waits for the generations too
-            Command::Rescore { .. } | Command::SetAdapter { .. } | Command::SetShadow { .. } => {
-                self.active.is_empty()
-            }
+            Command::Rescore { .. }
+            | Command::Reset { .. }
+            | Command::SetAdapter { .. }
+            | Command::SetShadow { .. } => self.active.is_empty(),
             Command::Tokenize { .. } | Command::Lanes { .. } | Command::LaneDone { .. } => true,
         }
     }
@@ -1072,6 +1104,16 @@ impl Worker {
                 }
                 let slot = self.take_slot(None, &[]);
                 let _ = reply.send(self.rescore(slot, &tokens, &positions, false, None));
+            }
+            Command::Reset { reply } => {
+                self.ctx.clear();
+                for s in &mut self.slots {
+                    s.cached.clear();
+                    s.block.clear();
+                    s.used = 0;
+                }
+                self.clock = 0;
+                let _ = reply.send(Ok(()));
             }
             Command::Tokens { session, reply } => {
                 let r = self
@@ -1575,7 +1617,7 @@ impl Worker {
         let mut s = sampler::sample_dist(drawn_from, &dist, &mut g.rng);
         // what the learner must mask to recompute this distribution from the logits:
         // the ignored end tokens and what the id slot took out
-        let mut dropped: Vec<u32> = Vec::new();
+        let mut dropped: Vec<u32> = self.control.iter().map(|&t| t as u32).collect();
         if p.ignore_eog {
             dropped.extend(self.eog.iter().map(|&t| t as u32));
         }
@@ -1738,9 +1780,13 @@ impl Worker {
         };
     }
 
-    /// Applies the request's constraints to `logits`: end-of-generation tokens masked in place
-    /// with `ignore_eog`, and the id slot's mask as a masked copy (`None`: nothing masked).
+    /// Applies the request's constraints to `logits`: control tokens other than the end of a
+    /// turn always and end-of-generation tokens with `ignore_eog` masked in place, and the id
+    /// slot's mask as a masked copy (`None`: nothing masked).
     fn constrain(&self, logits: &mut [f32], text: &str, p: &SamplerParams) -> Option<Vec<f32>> {
+        for &t in &self.control {
+            logits[t as usize] = f32::NEG_INFINITY;
+        }
         if p.ignore_eog {
             for &t in &self.eog {
                 logits[t as usize] = f32::NEG_INFINITY;
