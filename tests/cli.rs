@@ -413,3 +413,71 @@ fn compare_pools_seeds_and_pairs_presets() {
     assert_eq!(bad.status.code(), Some(1), "{}", show(&bad));
     assert!(show(&bad).contains("result.json"), "{}", show(&bad));
 }
+
+/// One client (or an old database) cannot stop learning for good: sessions whose outcome is
+/// beyond any real reward (±1.7e308, as a hostile client once sent) are left out of the update
+/// and named in its diagnostics, and the update over the others succeeds.
+#[test]
+fn sessions_with_unusable_rewards_are_left_out_and_the_update_succeeds() {
+    let dir = tempdir();
+    let db = dir.path().join("poison.db");
+    let file = dir.path().join("chats.jsonl");
+    let mut lines = String::new();
+    for i in 0..8 {
+        let id = 30000 + i * 11;
+        lines.push_str(&format!(
+            "{{\"messages\":[{{\"role\":\"user\",\"content\":\"Where is order {id}?\"}},{{\"role\":\"assistant\",\"content\":\"ACTION status {id}\"}}],\"outcome\":{}}}\n",
+            i % 2
+        ));
+    }
+    std::fs::write(&file, lines).unwrap();
+    let out = turnwise(&db)
+        .args(["import", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    // three sessions poisoned the way the server once let a client do it
+    let store = Store::open(&db).unwrap();
+    let poisoned = store
+        .connection()
+        .execute(
+            "UPDATE sessions SET outcome_reward = CASE id % 2 WHEN 0 THEN 1.7e308 ELSE -1.7e308 END
+             WHERE id IN (SELECT id FROM sessions ORDER BY id LIMIT 3)",
+            [],
+        )
+        .unwrap();
+    assert_eq!(poisoned, 3);
+    drop(store);
+    let out = turnwise(&db)
+        .args([
+            "train",
+            "--algo",
+            "grpo",
+            "--epochs",
+            "1",
+            "--min-group-size",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let store = Store::open(&db).unwrap();
+    let diag: String = store
+        .connection()
+        .query_row(
+            "SELECT diagnostics FROM updates ORDER BY id DESC LIMIT 1",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let diag: serde_json::Value = serde_json::from_str(&diag).unwrap();
+    let left_out = diag["unusable_sessions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(left_out.len(), 3, "{diag}");
+    assert!(diag["loss"].as_f64().is_some_and(f64::is_finite), "{diag}");
+    let rec = store.adapters().unwrap();
+    assert_eq!(rec.len(), 1);
+    assert_eq!(rec[0].status, turnwise::AdapterStatus::Candidate);
+}

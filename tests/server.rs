@@ -284,7 +284,7 @@ fn bad_requests_get_openai_errors_and_change_nothing() {
     }
     // a body that ends before its Content-Length is a read error (400), not "too large"
     let mut sock = TcpStream::connect(a).unwrap();
-    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekrit\r\nContent-Length: 200\r\n\r\n{{\"messages\"").unwrap();
+    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer sekrit\r\nContent-Length: 200\r\nContent-Type: application/json\r\n\r\n{{\"messages\"").unwrap();
     sock.shutdown(std::net::Shutdown::Write).unwrap();
     let mut raw = String::new();
     let _ = sock.read_to_string(&mut raw);
@@ -354,7 +354,7 @@ fn kill_during_stream_and_training_loses_no_acknowledged_turn() {
     // start a long stream and kill the server in the middle of it
     let mut sock = TcpStream::connect(&a).unwrap();
     let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 300, "stream": true, "session_id": "f2"}).to_string();
-    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
+    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
     let mut buf = [0u8; 512];
     let _ = sock.read(&mut buf).unwrap();
     srv.kill();
@@ -507,12 +507,12 @@ fn a_full_queue_is_429_and_a_client_that_leaves_cancels_but_is_logged() {
     let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400,
                       "stream": true, "session_id": "long", "seed": 1})
     .to_string();
-    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
+    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
     let mut buf = [0u8; 256];
     let _ = sock.read(&mut buf).unwrap(); // headers / first chunk: the slot is taken
     let mut s = TcpStream::connect(&a).unwrap();
     let b2 = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).to_string();
-    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{b2}", b2.len()).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{b2}", b2.len()).unwrap();
     let mut raw = String::new();
     s.read_to_string(&mut raw).unwrap();
     assert!(raw.starts_with("HTTP/1.1 429"), "{raw}");
@@ -567,7 +567,7 @@ fn one_reply_at_a_time_per_session_and_bounded_conversations() {
     let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}],
                       "max_tokens": 300, "stream": true, "session_id": "c1", "seed": 1})
     .to_string();
-    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
+    write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
     let mut reader = BufReader::new(sock);
     let mut line = String::new();
     while !line.contains("data:") {
@@ -762,7 +762,7 @@ fn fault_cycles_lose_no_acknowledged_turn() {
     let db = dir.path().join("cycles.db");
     let args = ["--learn-every", "1", "--gate-kl", "10"];
     let mut acknowledged: Vec<(String, String)> = Vec::new();
-    let (mut lost, mut unloadable) = (0usize, 0usize);
+    let (mut lost, mut unloadable, mut ungated) = (0usize, 0usize, 0usize);
     for cycle in 0..cycles {
         let srv = Server::start(&db, &args);
         let a = srv.addr.clone();
@@ -781,7 +781,7 @@ fn fault_cycles_lose_no_acknowledged_turn() {
                 let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}],
                                   "max_tokens": 300, "stream": true, "session_id": format!("s{cycle}")})
                 .to_string();
-                write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
+                write!(sock, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\nContent-Type: application/json\r\n\r\n{body}", body.len()).unwrap();
                 let mut buf = [0u8; 512];
                 let _ = sock.read(&mut buf).unwrap();
             }
@@ -806,7 +806,7 @@ fn fault_cycles_lose_no_acknowledged_turn() {
                     let path = format!("/v1/adapters/{}/activate", ad.id);
                     write!(
                         sock,
-                        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+                        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 0\r\n\r\n"
                     )
                     .unwrap();
                     let mut buf = [0u8; 16];
@@ -839,6 +839,7 @@ fn fault_cycles_lose_no_acknowledged_turn() {
         if let Some(ad) = store.active_adapter().unwrap() {
             unloadable +=
                 usize::from(turnwise::adapter::Adapter::load(Path::new(&ad.path)).is_err());
+            ungated += usize::from(!turnwise::learn::gate::passed(&ad.metrics));
         }
     }
     let srv = Server::start(&db, &["--no-learn"]);
@@ -848,10 +849,10 @@ fn fault_cycles_lose_no_acknowledged_turn() {
     let adapters = store.adapters().unwrap().len();
     eprintln!(
         "fault cycles: {cycles}, acknowledged replies {}, lost {lost}, unloadable active adapters \
-         {unloadable}, adapters written {adapters}",
+         {unloadable}, ungated active adapters {ungated}, adapters written {adapters}",
         acknowledged.len()
     );
-    assert_eq!((lost, unloadable), (0, 0));
+    assert_eq!((lost, unloadable, ungated), (0, 0, 0));
 }
 
 /// Continuous batching through the real server: four clients with two-turn sessions at once
@@ -939,4 +940,219 @@ fn concurrent_sessions_share_decoding_steps_and_are_all_logged() {
         let replies = turns.iter().filter(|t| t.role == turnwise::Role::Assistant);
         assert!(replies.into_iter().all(|t| t.token_ids.len() == 24));
     }
+}
+
+/// Sends `request` as it is (raw bytes, a client that sets its own headers); returns the status.
+fn raw_status(addr: &str, request: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut raw = String::new();
+    let _ = s.read_to_string(&mut raw);
+    let status = raw
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, raw)
+}
+
+/// Browser protection: a web page can send requests to 127.0.0.1 but cannot name it as its
+/// host, cannot hide its origin, and can only send "simple" bodies without asking first; all of
+/// those are refused and record nothing. Outcomes beyond `--reward-range` are refused too.
+#[test]
+fn a_web_page_cannot_drive_the_server_and_outcomes_are_bounded() {
+    let dir = tempdir();
+    let db = dir.path().join("guard.db");
+    let srv = Server::start(
+        &db,
+        &["--no-learn", "--allow-origin", "http://app.example:3000"],
+    );
+    let a = &srv.addr;
+    let (s, r) = chat(
+        a,
+        json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "session_id": "g1"}),
+    );
+    assert_eq!(s, 200, "{r}");
+    let fb = br#"{"outcome": 1}"#;
+    let path = "/v1/sessions/g1/feedback";
+    // a cross-origin page (the README's curl probe)
+    let (s, b) = http(a, "POST", path, &[("Origin", "http://evil.example")], fb);
+    assert_eq!(s, 403, "{b}");
+    assert!(
+        b.contains("permission_error") && b.contains("--allow-origin"),
+        "{b}"
+    );
+    // DNS rebinding: the page's own host name resolving to 127.0.0.1
+    let body = std::str::from_utf8(fb).unwrap();
+    let (s, raw) = raw_status(
+        a,
+        &format!("POST {path} HTTP/1.1\r\nHost: evil.example\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()),
+    );
+    assert_eq!(s, 403, "{raw}");
+    // a "simple" cross-origin POST: text/plain, or a form
+    for ct in [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ] {
+        let (s, raw) = raw_status(
+            a,
+            &format!("POST {path} HTTP/1.1\r\nHost: {a}\r\nContent-Type: {ct}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()),
+        );
+        assert_eq!(s, 415, "{ct}: {raw}");
+    }
+    // no Content-Type at all on an action without a body (rollback, end)
+    let (s, raw) = raw_status(
+        a,
+        &format!("POST /v1/sessions/g1/end HTTP/1.1\r\nHost: {a}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"),
+    );
+    assert_eq!(s, 415, "{raw}");
+    // reads from another origin are refused too (a rebinding page could read replies)
+    let (s, _) = http(
+        a,
+        "GET",
+        "/v1/adapters",
+        &[("Origin", "http://evil.example")],
+        b"",
+    );
+    assert_eq!(s, 403);
+    // nothing of the above was recorded; the allowed origin and localhost names work
+    let store = Store::open(&db).unwrap();
+    let n: i64 = store
+        .connection()
+        .query_row("SELECT COUNT(*) FROM feedback", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(n, 0, "refused requests recorded nothing");
+    let (s, b) = http(
+        a,
+        "POST",
+        path,
+        &[("Origin", "http://app.example:3000")],
+        fb,
+    );
+    assert_eq!(s, 200, "{b}");
+    let port = a.rsplit(':').next().unwrap();
+    let (s, raw) = raw_status(
+        a,
+        &format!("GET /healthz HTTP/1.1\r\nHost: localhost:{port}\r\nConnection: close\r\n\r\n"),
+    );
+    assert_eq!(s, 200, "{raw}");
+    // every error is in OpenAI's shape: a wrong method, an adapter id that is not a number,
+    // a note on a turn the session does not have
+    let (s, b) = http(a, "GET", "/v1/chat/completions", &[], b"");
+    assert_eq!(s, 405, "{b}");
+    assert!(b.contains("\"error\""), "{b}");
+    let (s, b) = http(a, "POST", "/v1/adapters/abc/activate", &[], b"");
+    assert_eq!(s, 400, "{b}");
+    assert!(
+        b.contains("\"error\"") && b.contains("not an integer"),
+        "{b}"
+    );
+    for turn in [99, -5] {
+        let note = json!({"note": "hm", "turn": turn}).to_string();
+        let (s, b) = http(a, "POST", path, &[], note.as_bytes());
+        assert_eq!(s, 400, "turn {turn}: {b}");
+    }
+    // outcomes: the default range is [-1, 1]; 1.7e308 from one client is refused at the door
+    for (v, want) in [
+        (json!(1.7e308), 400),
+        (json!(-1.5), 400),
+        (json!(-1.0), 200),
+        (json!(0.25), 200),
+    ] {
+        let (s, b) = http(
+            a,
+            "POST",
+            path,
+            &[],
+            json!({"outcome": v}).to_string().as_bytes(),
+        );
+        assert_eq!(s, want, "outcome {v}: {b}");
+        if want == 400 {
+            assert!(b.contains("--reward-range"), "{b}");
+        }
+    }
+}
+
+/// No adapter becomes active without a gate verdict: candidates a crash left unjudged are
+/// judged at start-up (one passes the KL bound, one does not and is rejected), and activating
+/// through the API a candidate that has not passed the gate needs `{"force": true}`, which is
+/// recorded with the adapter.
+#[test]
+fn unjudged_candidates_are_gated_at_start_up_and_forced_activation_is_explicit() {
+    use turnwise::adapter::{adapter_dir, Adapter};
+    let dir = tempdir();
+    let db = dir.path().join("gate.db");
+    let h = crate::common::head();
+    let candidate = |store: &Store, seed: u64, kl: f64| {
+        let id = store
+            .register_adapter(None, |id| {
+                adapter_dir(&db, id).to_string_lossy().into_owned()
+            })
+            .unwrap();
+        Adapter::fresh(h.n_embd(), h.n_vocab(), 4, 8.0, seed, "t")
+            .save(&adapter_dir(&db, id))
+            .unwrap();
+        store
+            .set_adapter_status(
+                id,
+                AdapterStatus::Candidate,
+                Some(&json!({"approx_kl": kl})),
+            )
+            .unwrap();
+        id
+    };
+    let store = Store::open(&db).unwrap();
+    let (near, far) = (candidate(&store, 1, 0.01), candidate(&store, 2, 3.0));
+    drop(store);
+    let srv = Server::start(&db, &["--no-learn"]);
+    let a = &srv.addr;
+    let store = Store::open(&db).unwrap();
+    let rec = store.adapter(near).unwrap();
+    assert_eq!(rec.status, AdapterStatus::Candidate);
+    assert_eq!(rec.metrics["gate"]["passed"], true, "{}", rec.metrics);
+    let rec = store.adapter(far).unwrap();
+    assert_eq!(rec.status, AdapterStatus::Rejected);
+    assert_eq!(rec.metrics["gate"]["passed"], false, "{}", rec.metrics);
+    // the judged candidate activates; a rejected one never does, forced or not
+    let (s, b) = http(
+        a,
+        "POST",
+        &format!("/v1/adapters/{near}/activate"),
+        &[],
+        b"",
+    );
+    assert_eq!(s, 200, "{b}");
+    let (s, b) = http(
+        a,
+        "POST",
+        &format!("/v1/adapters/{far}/activate"),
+        &[],
+        br#"{"force": true}"#,
+    );
+    assert_eq!(s, 400, "{b}");
+    // a candidate written while the server runs (an offline `train`) has no verdict
+    let fresh = candidate(&store, 3, 0.01);
+    let (s, b) = http(
+        a,
+        "POST",
+        &format!("/v1/adapters/{fresh}/activate"),
+        &[],
+        b"",
+    );
+    assert_eq!(s, 409, "{b}");
+    assert!(b.contains("force"), "{b}");
+    assert_eq!(store.active_adapter().unwrap().map(|r| r.id), Some(near));
+    let (s, b) = http(
+        a,
+        "POST",
+        &format!("/v1/adapters/{fresh}/activate"),
+        &[],
+        br#"{"force": true}"#,
+    );
+    assert_eq!(s, 200, "{b}");
+    let rec = store.adapter(fresh).unwrap();
+    assert_eq!(rec.status, AdapterStatus::Active);
+    assert!(rec.metrics["forced"].is_object(), "{}", rec.metrics);
 }

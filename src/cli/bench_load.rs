@@ -258,6 +258,7 @@ fn measure(args: &BenchArgs, dir: &Path, verbose: bool) -> anyhow::Result<ExitCo
         session_idle: Duration::from_secs(1800),
         body_timeout: Duration::from_secs(30),
         learn_nice: 19,
+        ..ServerConfig::default()
     };
     let state = AppState::new(engine.clone(), cfg)?;
     let rt = server::runtime()?;

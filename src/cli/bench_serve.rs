@@ -145,6 +145,7 @@ fn measure(args: &BenchArgs, dir: &std::path::Path, verbose: bool) -> anyhow::Re
         session_idle: Duration::from_secs(1800),
         body_timeout: Duration::from_secs(30),
         learn_nice: args.learn_nice,
+        ..ServerConfig::default()
     };
     let state = AppState::new(engine, cfg)?;
     let rt = server::runtime()?;

@@ -72,6 +72,31 @@ pub struct ServeArgs {
     /// Nice value of the background learner (0–19; higher leaves more CPU to serving)
     #[arg(long, default_value_t = 19)]
     learn_nice: i32,
+    /// Let web pages of this origin (`scheme://host[:port]`, repeatable) call the API; requests
+    /// carrying any other `Origin` header are refused
+    #[arg(long = "allow-origin", value_name = "ORIGIN")]
+    allow_origins: Vec<String>,
+    /// The numeric outcomes feedback may report, `LO,HI` (others are 400)
+    #[arg(long, value_name = "LO,HI", default_value = "-1,1", value_parser = parse_range, allow_hyphen_values = true)]
+    reward_range: (f64, f64),
+}
+
+fn parse_range(s: &str) -> Result<(f64, f64), String> {
+    let (a, b) = s
+        .split_once(',')
+        .ok_or_else(|| format!("{s:?}: give LO,HI"))?;
+    let lo: f64 = a
+        .trim()
+        .parse()
+        .map_err(|_| format!("{a:?} is not a number"))?;
+    let hi: f64 = b
+        .trim()
+        .parse()
+        .map_err(|_| format!("{b:?} is not a number"))?;
+    if !(lo.is_finite() && hi.is_finite() && lo <= hi && lo.abs().max(hi.abs()) <= 1e6) {
+        return Err(format!("{s:?}: need finite LO ≤ HI within ±1e6"));
+    }
+    Ok((lo, hi))
 }
 
 /// Serves until killed.
@@ -98,6 +123,13 @@ pub fn run(args: ServeArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode
         ),
         body_timeout: std::time::Duration::from_secs(args.body_timeout_s.max(1)),
         learn_nice: args.learn_nice,
+        loopback_only: args.host == "localhost"
+            || args
+                .host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback()),
+        allow_origins: args.allow_origins.clone(),
+        reward_range: args.reward_range,
     };
     let state = AppState::new(engine, cfg)?;
     let rt = server::runtime()?;

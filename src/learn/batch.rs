@@ -28,7 +28,17 @@ pub(super) struct Batch {
     /// a block-LoRA update: sessions of the selection left out because their block inputs
     /// were not logged (or not for these blocks)
     pub(super) without_block: usize,
+    /// sessions of the selection left out because what they hold cannot be learned from (a
+    /// reward beyond [`MAX_USABLE_REWARD`] or not finite, non-finite features or log-probs),
+    /// with the reason: one such session must not poison the update of the others
+    pub(super) unusable: Vec<(i64, String)>,
 }
+
+/// Largest |outcome| a session may have to be learned from. Rewards are centred (and scaled)
+/// per group, so a session far beyond any real outcome would overflow them: 1.7e308 from one
+/// client made every later update non-finite. The server refuses such feedback at the door
+/// (`--reward-range`); imported logs and older databases are checked here.
+pub const MAX_USABLE_REWARD: f64 = 1e6;
 
 /// Loads and groups the batch.
 ///
@@ -43,7 +53,7 @@ pub(super) fn select(
 ) -> Result<Batch> {
     let sft = cfg.algo == Algo::Sft;
     progress("loading sessions", 0, 1);
-    let (sessions, without_block) = load_sessions(
+    let (sessions, without_block, unusable) = load_sessions(
         store,
         sel,
         !sft,
@@ -108,6 +118,7 @@ pub(super) fn select(
         fell_back,
         grouping,
         without_block,
+        unusable,
     })
 }
 
@@ -153,15 +164,16 @@ pub(super) struct SessionData {
 
 /// Loads the selection's sessions; with `block = (layer, n_embd)` only those whose block
 /// inputs cover every position that produced an assistant token, and returns how many were
-/// left out for lacking them.
+/// left out for lacking them, and which were left out as unusable (and why).
 pub(super) fn load_sessions(
     store: &Store,
     sel: &Selection,
     require_outcome: bool,
     min_outcome: Option<f64>,
     block: Option<(usize, usize)>,
-) -> Result<(Vec<SessionData>, usize)> {
+) -> Result<(Vec<SessionData>, usize, Vec<(i64, String)>)> {
     let (mut out, mut without_block) = (Vec::new(), 0);
+    let mut unusable = Vec::new();
     for s in store.training_sessions(
         sel.source,
         sel.since.as_deref(),
@@ -169,6 +181,13 @@ pub(super) fn load_sessions(
         sel.limit.max(1),
     )? {
         let outcome = s.outcome_reward.unwrap_or(0.0);
+        if !outcome.is_finite() || outcome.abs() > MAX_USABLE_REWARD {
+            unusable.push((
+                s.id,
+                format!("outcome {outcome:e} beyond ±{MAX_USABLE_REWARD:e}"),
+            ));
+            continue;
+        }
         if min_outcome.is_some_and(|m| outcome < m) {
             continue;
         }
@@ -202,6 +221,15 @@ pub(super) fn load_sessions(
         if turns.is_empty() {
             continue;
         }
+        if let Some(t) = turns.iter().find(|t| {
+            t.h.iter().any(|x| !x.is_finite()) || t.logp_behavior.iter().any(|x| !x.is_finite())
+        }) {
+            unusable.push((
+                s.id,
+                format!("turn {}: non-finite features or log-probs", t.turn_id),
+            ));
+            continue;
+        }
         let block_x = match block {
             Some((layer, n_embd)) => {
                 // the last token of the last turn is a target only: positions up to it
@@ -232,7 +260,7 @@ pub(super) fn load_sessions(
             block_x,
         });
     }
-    Ok((out, without_block))
+    Ok((out, without_block, unusable))
 }
 
 /// The temperature and per-token support a logged turn was sampled with: rescored turns (and

@@ -108,6 +108,9 @@ pub struct Diagnostics {
     /// a block-LoRA update: sessions of the selection left out because their block inputs
     /// were not logged
     pub sessions_without_block: usize,
+    /// sessions of the selection left out because they cannot be learned from (an outcome
+    /// beyond ±1e6 or not finite, non-finite features or log-probs): `{session, reason}`
+    pub unusable_sessions: Vec<serde_json::Value>,
 }
 
 impl Diagnostics {

@@ -182,6 +182,56 @@ pub fn record(store: &Store, id: i64, report: &GateReport) -> Result<()> {
     store.set_adapter_status(id, status, Some(&metrics))
 }
 
+/// Whether an adapter's metrics record a gate verdict that passed.
+pub fn passed(metrics: &serde_json::Value) -> bool {
+    metrics["gate"]["passed"] == serde_json::Value::Bool(true)
+}
+
+/// Gives every `candidate` that has no gate verdict one: a process that died between writing
+/// a candidate and judging it (or `turnwise train` without `--activate`) leaves such rows, and
+/// none may become active unjudged. Each is judged as the server's learner judges: the KL bound
+/// on the update's recorded approximate KL, then the value check against its parent on
+/// `value_source`'s logged sessions. One that cannot be loaded is rejected. Returns each id
+/// with whether it passed.
+///
+/// # Errors
+/// Store errors.
+pub fn regate_unjudged(
+    store: &Store,
+    kl_bound: f64,
+    value_source: Option<Source>,
+) -> Result<Vec<(i64, bool)>> {
+    let mut out = Vec::new();
+    for rec in store.adapters()? {
+        if rec.status != AdapterStatus::Candidate || !rec.metrics["gate"].is_null() {
+            continue;
+        }
+        let kl = rec.metrics["approx_kl"].as_f64().unwrap_or(f64::NAN);
+        let loaded = Adapter::load(Path::new(&rec.path)).and_then(|cand| {
+            let parent = match rec.parent_id {
+                Some(p) => Some(Adapter::load(Path::new(&store.adapter(p)?.path))?),
+                None => None,
+            };
+            Ok((cand, parent))
+        });
+        let report = match loaded {
+            Ok((cand, parent)) if kl_passes(kl, kl_bound) => {
+                let v = value_check(store, &cand, parent.as_ref(), value_source, VALUE_SESSIONS)?;
+                judge(kl, kl_bound, Some(v), None)
+            }
+            Ok(_) => judge(kl, kl_bound, None, None),
+            Err(e) => {
+                let mut r = judge(f64::NAN, kl_bound, None, None);
+                r.reason = Some(format!("re-gated at start-up: not loadable ({e})"));
+                r
+            }
+        };
+        record(store, rec.id, &report)?;
+        out.push((rec.id, report.passed));
+    }
+    Ok(out)
+}
+
 /// Makes adapter `id` the active one: loads it from its directory, refuses it when it is not
 /// finite, hands it to `serve` (an engine's `set_adapter`, which checks its shapes against the
 /// model; a closure that only checks, for a process that serves nothing), and only then writes

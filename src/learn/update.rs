@@ -610,7 +610,11 @@ pub fn run_update(
         fell_back,
         grouping,
         without_block,
+        unusable,
     } = batch::select(store, sel, cfg, block_io, &mut progress)?;
+    for (id, why) in &unusable {
+        tracing::warn!(session = id, "left out of the update: {why}");
+    }
     // ---- adapters: the one being trained, and those that generated the turns -------------------
     let n_embd = head.n_embd();
     let mut current = parent
@@ -1144,6 +1148,10 @@ pub fn run_update(
         optimizer_from_parent,
         trained,
         sessions_without_block: without_block,
+        unusable_sessions: unusable
+            .iter()
+            .map(|(id, why)| json!({"session": id, "reason": why}))
+            .collect(),
     };
     let diagnostics_json = diagnostics.to_json();
 

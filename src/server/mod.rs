@@ -64,6 +64,107 @@ pub struct ServerConfig {
     /// nice value of the learner's thread (and the ONNX Runtime threads it starts): 0 to 19,
     /// higher yields the CPU to serving; Linux only
     pub learn_nice: i32,
+    /// the server is bound to a loopback address: requests must name a loopback host
+    /// (`localhost`, `127.0.0.1`, `[::1]`), which a DNS-rebinding web page cannot
+    pub loopback_only: bool,
+    /// origins (`scheme://host[:port]`) whose web pages may call the API; a request with
+    /// any other `Origin` header is refused (browsers send one on every cross-origin request)
+    pub allow_origins: Vec<String>,
+    /// the numeric outcomes feedback may report (inclusive)
+    pub reward_range: (f64, f64),
+}
+
+impl Default for ServerConfig {
+    /// The defaults `turnwise serve` runs with (database `turnwise.db` in the working
+    /// directory).
+    fn default() -> Self {
+        ServerConfig {
+            db: PathBuf::from("turnwise.db"),
+            api_key: None,
+            max_body: 1 << 20,
+            max_tokens_limit: 512,
+            queue: 8,
+            learn_every_sessions: Some(20),
+            learn_every_minutes: 30.0,
+            learn_algo: Algo::A2tgpo,
+            train_threads: 1,
+            gate_kl: 0.05,
+            max_live_sessions: 1024,
+            session_idle: Duration::from_secs(30 * 60),
+            body_timeout: Duration::from_secs(30),
+            learn_nice: 19,
+            loopback_only: true,
+            allow_origins: Vec::new(),
+            reward_range: DEFAULT_REWARD_RANGE,
+        }
+    }
+}
+
+/// The outcomes feedback may report by default: the README's resolved (1) / unresolved (0)
+/// and anything between −1 and 1.
+pub const DEFAULT_REWARD_RANGE: (f64, f64) = (-1.0, 1.0);
+
+/// Whether a `Host` header value names this machine's loopback interface.
+fn loopback_host(host: &str) -> bool {
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        // [::1]:port
+        match rest.split_once(']') {
+            Some((ip, after)) if after.is_empty() || after.starts_with(':') => ip,
+            _ => return false,
+        }
+    } else {
+        host.rsplit_once(':')
+            .filter(|(_, port)| port.chars().all(|c| c.is_ascii_digit()))
+            .map_or(host, |(h, _)| h)
+    };
+    let name = name.to_ascii_lowercase();
+    name == "localhost"
+        || name.ends_with(".localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Browser protection (as local model servers do): a web page the user opens can send
+/// requests to 127.0.0.1, so requests whose `Host` is not a loopback name (DNS rebinding),
+/// whose `Origin` is not allowed, or that POST anything but `application/json` (the "simple"
+/// cross-origin requests a page may send without asking) are refused.
+fn browser_check(cfg: &ServerConfig, req: &Request) -> Result<(), ApiError> {
+    let h = req.headers();
+    let forbidden = |m: String| ApiError::new(StatusCode::FORBIDDEN, "permission_error", m);
+    if cfg.loopback_only {
+        if let Some(host) = h.get(axum::http::header::HOST) {
+            let host = host.to_str().unwrap_or("");
+            if !loopback_host(host) {
+                return Err(forbidden(format!(
+                    "Host {host:?} is not a loopback name: this server answers requests to localhost only (bind another address with --host to serve a network)"
+                )));
+            }
+        }
+    }
+    if let Some(origin) = h.get(axum::http::header::ORIGIN) {
+        let origin = origin.to_str().unwrap_or("");
+        if !cfg.allow_origins.iter().any(|o| o == origin) {
+            return Err(forbidden(format!(
+                "requests from web pages of origin {origin:?} are not allowed (allow one with --allow-origin)"
+            )));
+        }
+    }
+    if req.method() == axum::http::Method::POST {
+        let json = h
+            .get(axum::http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"));
+        if !json {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "invalid_request_error",
+                "POST bodies must be sent as Content-Type: application/json",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Most stop strings a request may give (OpenAI's limit), and the longest one in bytes.
@@ -206,6 +307,14 @@ impl AppState {
                 "a crash left adapters half-written: versions {unfinished:?} marked rejected, {stale} temporary folders removed"
             );
         }
+        // candidates without a gate verdict (a crash between writing and judging, or an
+        // offline `train` without --activate) are judged now: none becomes active unjudged
+        for (id, passed) in gate::regate_unjudged(&store, cfg.gate_kl, Some(Source::Live))? {
+            tracing::warn!(
+                "adapter {id} had no gate verdict: re-gated at start-up, {}",
+                if passed { "passed" } else { "rejected" }
+            );
+        }
         // the active adapter, or, when it does not load or fit the model, the previous good one
         let active = loop {
             let Some(rec) = store.active_adapter()? else {
@@ -335,6 +444,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found_error", "no such route")
         })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "this route does not take that method",
+            )
+        })
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
         .with_state(state)
 }
@@ -383,6 +499,10 @@ pub async fn serve(
 
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     st.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    if let Err(e) = browser_check(&st.cfg, &req) {
+        st.metrics.errors.fetch_add(1, Ordering::Relaxed);
+        return e.into_response();
+    }
     if let Some(key) = &st.cfg.api_key {
         let ok = req
             .headers()
@@ -404,6 +524,12 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
 }
 
 async fn read_json<T: serde::de::DeserializeOwned>(st: &AppState, body: Body) -> ApiResult<T> {
+    let bytes = read_body(st, body).await?;
+    serde_json::from_slice(&bytes).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))
+}
+
+/// The request body, bounded in size (413) and in time (408).
+async fn read_body(st: &AppState, body: Body) -> ApiResult<Vec<u8>> {
     use tokio_stream::StreamExt as _;
     let max = st.cfg.max_body;
     let read = async {
@@ -435,7 +561,7 @@ async fn read_json<T: serde::de::DeserializeOwned>(st: &AppState, body: Body) ->
                 ),
             )
         })??;
-    serde_json::from_slice(&bytes).map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))
+    Ok(bytes)
 }
 
 fn content_text(v: &Option<Value>) -> ApiResult<String> {
@@ -781,18 +907,7 @@ async fn feedback(
             _ => return Err(ApiError::bad("thumb must be \"up\" or \"down\"")),
         };
         let turn = match req.turn {
-            Some(t) => {
-                let ok = store
-                    .turns(sid)?
-                    .iter()
-                    .any(|x| x.idx == t && x.role == Role::Assistant);
-                if !ok {
-                    return Err(ApiError::bad(format!(
-                        "turn {t} is not an assistant turn of session {id}"
-                    )));
-                }
-                Some(t)
-            }
+            Some(t) => Some(assistant_turn(&store, sid, &id, t)?),
             None => store
                 .turns(sid)?
                 .iter()
@@ -808,10 +923,16 @@ async fn feedback(
         let v = match o {
             Value::String(s) if s == "resolved" => 1.0,
             Value::String(s) if s == "unresolved" => 0.0,
-            Value::Number(x) => x
-                .as_f64()
-                .filter(|v| v.is_finite())
-                .ok_or_else(|| ApiError::bad("outcome must be finite"))?,
+            Value::Number(x) => {
+                let (lo, hi) = st.cfg.reward_range;
+                x.as_f64()
+                    .filter(|v| v.is_finite() && (lo..=hi).contains(v))
+                    .ok_or_else(|| {
+                        ApiError::bad(format!(
+                            "outcome must be a number from {lo} to {hi} (the server's --reward-range)"
+                        ))
+                    })?
+            }
             _ => {
                 return Err(ApiError::bad(
                     "outcome must be \"resolved\", \"unresolved\" or a number",
@@ -824,17 +945,32 @@ async fn feedback(
     }
     if n == 0 {
         match &req.note {
-            Some(text) => rec.feedback(
-                &mut store,
-                &Feedback::Note {
-                    turn: req.turn,
-                    text,
-                },
-            )?,
+            Some(text) => {
+                let turn = match req.turn {
+                    Some(t) => Some(assistant_turn(&store, sid, &id, t)?),
+                    None => None,
+                };
+                rec.feedback(&mut store, &Feedback::Note { turn, text })?
+            }
             None => return Err(ApiError::bad("give a thumb, an outcome or a note")),
         }
     }
     Ok(Json(json!({"session_id": id, "recorded": true})))
+}
+
+/// `t` when it is the index of an assistant turn of session `sid` (client id `id`), else 400.
+fn assistant_turn(store: &Store, sid: i64, id: &str, t: i64) -> ApiResult<i64> {
+    let ok = store
+        .turns(sid)?
+        .iter()
+        .any(|x| x.idx == t && x.role == Role::Assistant);
+    if ok {
+        Ok(t)
+    } else {
+        Err(ApiError::bad(format!(
+            "turn {t} is not an assistant turn of session {id}"
+        )))
+    }
 }
 
 async fn end_session(
@@ -897,7 +1033,52 @@ fn switch_to(st: &AppState, id: Option<i64>) -> crate::Result<()> {
     Ok(())
 }
 
-async fn activate(State(st): State<Arc<AppState>>, Path(id): Path<i64>) -> ApiResult<Json<Value>> {
+/// Body of `POST /v1/adapters/{id}/activate` (optional).
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ActivateRequest {
+    /// activate a candidate that has not passed the gate (recorded with the adapter)
+    #[serde(default)]
+    force: bool,
+}
+
+async fn activate(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: Body,
+) -> ApiResult<Json<Value>> {
+    let id: i64 = id
+        .parse()
+        .map_err(|_| ApiError::bad(format!("adapter id {id:?} is not an integer")))?;
+    // an empty body asks for no force
+    let bytes = read_body(&st, body).await?;
+    let req: ActivateRequest = if bytes.iter().all(u8::is_ascii_whitespace) {
+        ActivateRequest::default()
+    } else {
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::bad(format!("malformed JSON body: {e}")))?
+    };
+    {
+        let store = st.store();
+        let rec = store.adapter(id)?;
+        if rec.status == AdapterStatus::Candidate && !gate::passed(&rec.metrics) {
+            if !req.force {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "invalid_request_error",
+                    format!(
+                        "adapter {id} has not passed the gate; send {{\"force\": true}} to activate it anyway (recorded with the adapter)"
+                    ),
+                ));
+            }
+            let mut metrics = rec.metrics.clone();
+            if !metrics.is_object() {
+                metrics = json!({});
+            }
+            metrics["forced"] = json!({"via": "POST /v1/adapters/{id}/activate", "gate": rec.metrics["gate"].clone()});
+            store.set_adapter_status(id, AdapterStatus::Candidate, Some(&metrics))?;
+        }
+    }
     let previous = *st.active.lock().unwrap_or_else(|p| p.into_inner());
     // checked by the engine first, written active after (learn::gate::activate)
     tokio::task::block_in_place(|| {
@@ -1132,6 +1313,7 @@ pub fn lower_thread_priority(nice: i32) {
 pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
     // the learner's own connection: handlers keep reading and writing the log meanwhile (WAL)
     let mut store = Store::open(&st.cfg.db)?;
+    store.set_policy_model(&crate::assets::model_stamp_json(&st.engine.info().path));
     let parent = {
         match store.active_adapter()? {
             Some(rec) => Some((

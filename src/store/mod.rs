@@ -65,6 +65,14 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0008_block_features.sql",
         include_str!("../../migrations/0008_block_features.sql"),
     ),
+    (
+        "0009_policy_model.sql",
+        include_str!("../../migrations/0009_policy_model.sql"),
+    ),
+    (
+        "0010_client_session_index.sql",
+        include_str!("../../migrations/0010_client_session_index.sql"),
+    ),
 ];
 
 /// A closed set of names stored as text: `as_str`, parsing, `Display`, SQLite and serde
@@ -226,6 +234,8 @@ pub struct AdapterRecord {
     pub metrics: serde_json::Value,
     /// last activation time
     pub activated_at: Option<String>,
+    /// the model file the policy ran on when it was made (JSON), if recorded
+    pub model: Option<serde_json::Value>,
 }
 
 /// Where a session came from.
@@ -552,6 +562,8 @@ impl StorageStats {
 /// The SQLite turn log.
 pub struct Store {
     conn: Connection,
+    /// the policy's model file (JSON), written into every adapter and update row
+    model: Option<String>,
 }
 
 const TURN_COLUMNS: &str =
@@ -607,7 +619,7 @@ impl Store {
         conn.pragma_update(None, "foreign_keys", "ON")?;
         conn.busy_timeout(BUSY_TIMEOUT)?;
         migrate(&mut conn)?;
-        Ok(Store { conn })
+        Ok(Store { conn, model: None })
     }
 
     /// The schema version (number of migrations applied).
@@ -626,6 +638,13 @@ impl Store {
     fn write(&mut self) -> rusqlite::Result<rusqlite::Transaction<'_>> {
         self.conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
+    }
+
+    /// Names the model file the policy runs on (a JSON object such as
+    /// [`crate::assets::ModelStamp`]): every adapter and update row written through this store
+    /// records it.
+    pub fn set_policy_model(&mut self, model: &serde_json::Value) {
+        self.model = Some(model.to_string());
     }
 
     /// The underlying connection, for read-only ad-hoc queries in tests. The library's own SQL
@@ -724,6 +743,51 @@ mod tests {
     /// Two connections (the demo's engines log side by side) open a new file at once and append
     /// turns concurrently: every write waits for the other's lock instead of failing with
     /// `database is locked`, and the migrations run once.
+    /// Looking a live session up by the client's id reads the index, not every session's JSON:
+    /// the query plan names the index, and with 20 000 logged sessions the newest session of an
+    /// id (and none for an unknown id) is found.
+    #[test]
+    fn sessions_are_found_by_client_id_through_the_index() {
+        let mut s = Store::in_memory().unwrap();
+        let tx = s.write().unwrap();
+        for i in 0..20_000 {
+            tx.execute(
+                "INSERT INTO sessions (source, metadata) VALUES ('live', ?1)",
+                [
+                    serde_json::json!({"client_session_id": format!("c{}", i % 10_000)})
+                        .to_string(),
+                ],
+            )
+            .unwrap();
+        }
+        tx.execute("INSERT INTO sessions (source) VALUES ('chat')", [])
+            .unwrap();
+        tx.commit().unwrap();
+        let plan: Vec<String> = s
+            .conn
+            .prepare(
+                "EXPLAIN QUERY PLAN SELECT id FROM sessions WHERE client_session_id = ?1 AND source = 'live'
+                 AND (?2 = 0 OR ended_at IS NULL) ORDER BY id DESC LIMIT 1",
+            )
+            .unwrap()
+            .query_map(params!["c1", false], |r| r.get::<_, String>(3))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert!(
+            plan.iter()
+                .any(|l| l.contains("USING INDEX sessions_client")),
+            "{plan:?}"
+        );
+        // c7 was written twice: ids 8 and 10 008 (rowids from 1)
+        assert_eq!(s.session_of_client("c7", false).unwrap(), Some(10_008));
+        assert_eq!(s.session_of_client("nobody", false).unwrap(), None);
+        s.conn
+            .execute("UPDATE sessions SET ended_at = 'x' WHERE id = 10008", [])
+            .unwrap();
+        assert_eq!(s.session_of_client("c7", true).unwrap(), Some(8));
+    }
+
     #[test]
     fn two_connections_write_one_file_at_once() {
         let dir = tempfile::tempdir().unwrap();

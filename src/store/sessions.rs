@@ -381,8 +381,8 @@ fn turn_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Result<TurnRecord>> {
 }
 
 impl Store {
-    /// The newest live session of a client's session id (`metadata.client_session_id`);
-    /// `open_only`: only one that has not ended.
+    /// The newest live session of a client's session id (`metadata.client_session_id`, an
+    /// indexed column); `open_only`: only one that has not ended.
     ///
     /// # Errors
     /// SQLite errors.
@@ -390,9 +390,8 @@ impl Store {
         Ok(self
             .conn
             .query_row(
-                "SELECT id FROM sessions WHERE source = 'live'
-                 AND (?2 = 0 OR ended_at IS NULL)
-                 AND json_extract(metadata, '$.client_session_id') = ?1 ORDER BY id DESC LIMIT 1",
+                "SELECT id FROM sessions WHERE client_session_id = ?1 AND source = 'live'
+                 AND (?2 = 0 OR ended_at IS NULL) ORDER BY id DESC LIMIT 1",
                 params![client_id, open_only],
                 |r| r.get(0),
             )
