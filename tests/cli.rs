@@ -274,8 +274,9 @@ fn import_train_activate_chat_and_roll_back_through_the_cli() {
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     run(&["import", file.to_str().unwrap()]);
-    // `--activate` runs the gate: with a KL bound of 0 any update is refused, stays inactive,
-    // is recorded rejected, and cannot be activated by hand either
+    // `--activate` runs the gate: a refused update stays inactive, is recorded rejected, and
+    // cannot be activated by hand either. A supervised update records no approximate KL (0),
+    // so a KL bound of 0 passes it: a negative bound refuses any candidate
     let sft = [
         "train",
         "--algo",
@@ -283,8 +284,7 @@ fn import_train_activate_chat_and_roll_back_through_the_cli() {
         "--epochs",
         "3",
         "--activate",
-        "--gate-kl",
-        "0",
+        "--gate-kl=-1",
     ];
     let refused = turnwise(&db)
         .args(sft)

@@ -816,12 +816,12 @@ fn a_reference_is_scored_by_the_frozen_policy_or_with_the_adapter() {
     let adapted = engine
         .score_reference_by(prefix.clone(), false, reference, true)
         .unwrap();
-    assert_eq!(
-        frozen,
-        engine
-            .score_reference(prefix.clone(), false, reference)
-            .unwrap()
-    );
+    // the same scoring through the older call; the second one finds the prefix cached and
+    // decodes only the reference, which the batched kernels group differently (last bits)
+    let again = engine
+        .score_reference(prefix.clone(), false, reference)
+        .unwrap();
+    assert!((frozen - again).abs() < 1e-3, "{frozen} {again}");
     // by hand from one prefill of the same tokens
     let ref_tokens = engine.tokenize(reference).unwrap();
     let mut tokens = prefix.clone();

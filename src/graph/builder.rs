@@ -472,6 +472,46 @@ impl Graph {
         (xq, s)
     }
 
+    /// Rounds the rows of `x` (`[N, width]`) through Q8_K, the activation type of ggml's k-quant
+    /// weights (`quantize_row_q8_K_ref`): blocks of 256 values, one f32 scale from the block's
+    /// largest-magnitude value `m` (the first one on ties), `q = round(−127 · x / m)` (half to
+    /// even, as ggml's `nearest_int`), `x̂ = q · (1 / (−127 / m))`; an all-zero block stays zero.
+    /// The gradient passes straight through.
+    pub fn round_q8k(&mut self, x: V, width: i64) -> V {
+        assert!(
+            width % 256 == 0,
+            "Q8_K rows of {width} are not blocks of 256"
+        );
+        let nb = width / 256;
+        let shape = self.i64_const(&[-1, nb, 256]);
+        let xb = self.node("Reshape", &[self.name(x), shape], 3, vec![]);
+        let ab = self.raw("Abs", &[xb], 3, vec![]);
+        let at = self.raw(
+            "ArgMax",
+            &[ab],
+            3,
+            vec![attr_int("axis", -1), attr_int("keepdims", 1)],
+        );
+        let m = self.raw("GatherElements", &[xb, at], 3, vec![attr_int("axis", -1)]);
+        let zero = self.scalar(0.0);
+        let one = self.scalar(1.0);
+        let is0 = self.raw("Equal", &[m, zero], 3, vec![]);
+        let safe = self.where_(is0, one, m);
+        let cm127 = self.scalar(-127.0);
+        let iscale = self.raw("Div", &[cm127, safe], 3, vec![]);
+        let iscale = self.where_(is0, zero, iscale);
+        let xs = self.raw("Mul", &[xb, iscale], 3, vec![]);
+        let q = self.raw("Round", &[xs], 3, vec![]);
+        let safe_is = self.where_(is0, one, iscale);
+        let d = self.raw("Div", &[one, safe_is], 3, vec![]);
+        let d = self.where_(is0, zero, d);
+        let v = self.raw("Mul", &[q, d], 3, vec![]);
+        let back = self.i64_const(&[-1, width]);
+        let vn = self.name(v);
+        let out = self.node("Reshape", &[vn, back], 2, vec![]);
+        self.record(Op::StraightThrough, &[x], out)
+    }
+
     /// RMSNorm of the rows of `x` (`[N, D]`) times `w` (`[D]`, constant): `x / √(mean(x²) + eps) · w`.
     pub fn rms_norm(&mut self, x: V, w: V, d: usize, eps: f64) -> V {
         let sq = self.mul(x, x);
@@ -1232,6 +1272,22 @@ mod tests {
             }
         }
         assert_eq!(gx, w.iter().copied().collect::<Vec<_>>());
+        // Q8_K (k-quant weights): blocks of 256, the scale from the signed largest value
+        let x256 = ndarray::Array2::from_shape_fn((3, 256), |(i, j)| {
+            if i == 2 {
+                0.0
+            } else {
+                ((r.next_f64() * 2.0 - 1.0) * (1.0 + j as f64 / 64.0)) as f32
+            }
+        });
+        let w256 = ndarray::Array2::from_shape_fn((3, 256), |(i, j)| (i * 256 + j) as f32 * 0.01);
+        let (y, gx) = run_f32(&x256, &w256, |g, v| g.round_q8k(v, 256));
+        for i in 0..3 {
+            let row: Vec<f32> = x256.row(i).to_vec();
+            let want = llama::round_through(llama_cpp_sys_2::GGML_TYPE_Q8_K, &row).unwrap();
+            assert_eq!(&y[i * 256..(i + 1) * 256], &want[..], "Q8_K row {i}");
+        }
+        assert_eq!(gx, w256.iter().copied().collect::<Vec<_>>());
         let (y, gx) = run_f32(&x, &w, |g, v| g.round_f16(v));
         let want: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
         assert_eq!(y, want);

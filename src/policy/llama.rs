@@ -714,6 +714,17 @@ pub fn dequantize(ty: u32, src: &[u8], n: usize) -> Result<Vec<f32>> {
             }
             return Ok(out);
         }
+        if ty == sys::GGML_TYPE_Q8_K {
+            // nor for Q8_K (the activation format of k-quant weights): blocks of {f32 d,
+            // i8 qs[256], i16 bsums[16]}, value = d * q.
+            for (b, blk) in src[..need].chunks_exact(tr.type_size).enumerate() {
+                let d = f32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]);
+                for j in 0..256 {
+                    out[b * 256 + j] = d * f32::from(blk[4 + j] as i8);
+                }
+            }
+            return Ok(out);
+        }
         if ty == sys::GGML_TYPE_F32 {
             std::ptr::copy_nonoverlapping(src.as_ptr() as *const f32, out.as_mut_ptr(), n);
             return Ok(out);
