@@ -217,7 +217,7 @@ fn kernel_report(path: &Path) -> anyhow::Result<String> {
             None => by.push((name, 1)),
         }
     }
-    by.sort_by(|a, b| b.1.cmp(&a.1));
+    by.sort_by_key(|t| std::cmp::Reverse(t.1));
     Ok(by
         .iter()
         .map(|(n, c)| format!("{c}× {n}"))
@@ -230,6 +230,9 @@ fn load(backend: &LlamaBackend, path: &Path) -> anyhow::Result<LlamaModel> {
         .with_context(|| format!("loading {}", path.display()))
 }
 
+/// A named set of token sequences whose every position is scored.
+type Scored = (&'static str, Vec<Vec<i32>>);
+
 /// Token sequences to score: the scripted expert's desk sessions, the model's own first
 /// replies to desk openings, and the model's replies to generic prompts (all rendered with the
 /// model's chat template by an engine on `reference`).
@@ -237,7 +240,7 @@ fn transcripts(
     reference: &Path,
     args: &BenchArgs,
     verbose: bool,
-) -> anyhow::Result<[(&'static str, Vec<Vec<i32>>); 2]> {
+) -> anyhow::Result<[Scored; 2]> {
     let mut cfg = args.model.engine_config(verbose)?;
     cfg.model = reference.to_path_buf();
     cfg.capture_hidden = false;

@@ -86,7 +86,7 @@ fn round_activation(g: &mut Graph, x: V, width: usize, ggml_type: u32) -> V {
     let t = llama::vec_dot_type(ggml_type);
     if t == llama_cpp_sys_2::GGML_TYPE_Q8_0 || t == llama_cpp_sys_2::GGML_TYPE_Q8_1 {
         g.round_q8(x, width as i64)
-    } else if t == llama_cpp_sys_2::GGML_TYPE_Q8_K && width % 256 == 0 {
+    } else if t == llama_cpp_sys_2::GGML_TYPE_Q8_K && width.is_multiple_of(256) {
         g.round_q8k(x, width as i64)
     } else if t == llama_cpp_sys_2::GGML_TYPE_F16 {
         g.round_f16(x)

@@ -162,6 +162,10 @@ pub(super) struct SessionData {
     pub(super) block_x: Option<Array2<f32>>,
 }
 
+/// What [`load_sessions`] returns: the sessions, how many lacked block inputs, and the
+/// sessions left out as unusable with the reason.
+pub(super) type Loaded = (Vec<SessionData>, usize, Vec<(i64, String)>);
+
 /// Loads the selection's sessions; with `block = (layer, n_embd)` only those whose block
 /// inputs cover every position that produced an assistant token, and returns how many were
 /// left out for lacking them, and which were left out as unusable (and why).
@@ -171,7 +175,7 @@ pub(super) fn load_sessions(
     require_outcome: bool,
     min_outcome: Option<f64>,
     block: Option<(usize, usize)>,
-) -> Result<(Vec<SessionData>, usize, Vec<(i64, String)>)> {
+) -> Result<Loaded> {
     let (mut out, mut without_block) = (Vec::new(), 0);
     let mut unusable = Vec::new();
     for s in store.training_sessions(

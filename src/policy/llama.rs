@@ -106,7 +106,7 @@ impl Model {
     pub fn is_control(&self, token: Token) -> bool {
         // SAFETY: vocab is live; any token id is accepted.
         let attr = unsafe { sys::llama_vocab_get_attr(self.vocab.as_ptr(), token) };
-        (attr as u32) & (sys::LLAMA_TOKEN_ATTR_CONTROL as u32) != 0
+        (attr as u32) & sys::LLAMA_TOKEN_ATTR_CONTROL != 0
     }
 
     /// The end-of-turn token, falling back to EOS.
