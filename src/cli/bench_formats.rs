@@ -236,11 +236,7 @@ type Scored = (&'static str, Vec<Vec<i32>>);
 /// Token sequences to score: the scripted expert's desk sessions, the model's own first
 /// replies to desk openings, and the model's replies to generic prompts (all rendered with the
 /// model's chat template by an engine on `reference`).
-fn transcripts(
-    reference: &Path,
-    args: &BenchArgs,
-    verbose: bool,
-) -> anyhow::Result<[Scored; 2]> {
+fn transcripts(reference: &Path, args: &BenchArgs, verbose: bool) -> anyhow::Result<[Scored; 2]> {
     let mut cfg = args.model.engine_config(verbose)?;
     cfg.model = reference.to_path_buf();
     cfg.capture_hidden = false;
