@@ -83,6 +83,25 @@ fn http(
     (status, dechunk(&body))
 }
 
+/// Writes a fresh adapter (seed `seed`) into `db`'s adapter folder and registers it as a
+/// `candidate` with `metrics` (None: none recorded).
+fn write_candidate(store: &Store, db: &Path, seed: u64, metrics: Option<&Value>) -> i64 {
+    use turnwise::adapter::{adapter_dir, Adapter};
+    let h = crate::common::head();
+    let id = store
+        .register_adapter(None, |id| {
+            adapter_dir(db, id).to_string_lossy().into_owned()
+        })
+        .unwrap();
+    Adapter::fresh(h.n_embd(), h.n_vocab(), 4, 8.0, seed, "t")
+        .save(&adapter_dir(db, id))
+        .unwrap();
+    store
+        .set_adapter_status(id, AdapterStatus::Candidate, metrics)
+        .unwrap();
+    id
+}
+
 /// Removes HTTP/1.1 chunked framing when present.
 fn dechunk(body: &str) -> String {
     let mut out = String::new();
@@ -645,24 +664,13 @@ fn one_reply_at_a_time_per_session_and_bounded_conversations() {
 /// marked rejected and a dead process's temporary adapter folder is removed.
 #[test]
 fn the_server_starts_on_the_previous_adapter_when_the_active_one_is_damaged() {
-    use turnwise::adapter::{adapter_dir, adapters_root, Adapter};
+    use turnwise::adapter::{adapter_dir, adapters_root};
     let dir = tempdir();
     let db = dir.path().join("start.db");
-    let h = crate::common::head();
     let mut store = Store::open(&db).unwrap();
     let mut ids = Vec::new();
     for seed in [1, 2] {
-        let id = store
-            .register_adapter(None, |id| {
-                adapter_dir(&db, id).to_string_lossy().into_owned()
-            })
-            .unwrap();
-        Adapter::fresh(h.n_embd(), h.n_vocab(), 4, 8.0, seed, "t")
-            .save(&adapter_dir(&db, id))
-            .unwrap();
-        store
-            .set_adapter_status(id, AdapterStatus::Candidate, None)
-            .unwrap();
+        let id = write_candidate(&store, &db, seed, None);
         store.activate_adapter(id).unwrap();
         ids.push(id);
     }
@@ -1089,27 +1097,10 @@ fn a_web_page_cannot_drive_the_server_and_outcomes_are_bounded() {
 /// recorded with the adapter.
 #[test]
 fn unjudged_candidates_are_gated_at_start_up_and_forced_activation_is_explicit() {
-    use turnwise::adapter::{adapter_dir, Adapter};
     let dir = tempdir();
     let db = dir.path().join("gate.db");
-    let h = crate::common::head();
     let candidate = |store: &Store, seed: u64, kl: f64| {
-        let id = store
-            .register_adapter(None, |id| {
-                adapter_dir(&db, id).to_string_lossy().into_owned()
-            })
-            .unwrap();
-        Adapter::fresh(h.n_embd(), h.n_vocab(), 4, 8.0, seed, "t")
-            .save(&adapter_dir(&db, id))
-            .unwrap();
-        store
-            .set_adapter_status(
-                id,
-                AdapterStatus::Candidate,
-                Some(&json!({"approx_kl": kl})),
-            )
-            .unwrap();
-        id
+        write_candidate(store, &db, seed, Some(&json!({"approx_kl": kl})))
     };
     let store = Store::open(&db).unwrap();
     let (near, far) = (candidate(&store, 1, 0.01), candidate(&store, 2, 3.0));

@@ -60,9 +60,10 @@ pub fn run(args: &BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         models.push((*ty, path));
     }
     let threads = args.model.threads;
+    let m = turnwise::demo::Machine::this(&[], 0);
     println!(
-        "default model in each weight type · {threads} threads · machine: {}",
-        machine_line()
+        "default model in each weight type · {threads} threads · machine: {} cores ({}), {} GiB",
+        m.cores, m.cpu, m.memory_gib
     );
 
     // ---- 1. which kernels the weights get -----------------------------------------------
@@ -188,20 +189,6 @@ pub fn run(args: &BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
-}
-
-fn machine_line() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{cpu}, {cores} cores")
 }
 
 /// Loads the model (which makes llama.cpp log its weight buffers) and counts its tensors by type.

@@ -165,10 +165,10 @@ fn shared_evaluations(runs: &[Run]) {
     }
     println!("\n| seed | warm start | runs | base-model evaluation | warm-start evaluation |");
     println!("|---|---|---|---|---|");
-    let say = |label: &str, n: Option<usize>, total: usize| match n {
+    let say = |n: Option<usize>, total: usize| match n {
         Some(0) => format!("identical ({total} transcripts)"),
         Some(k) => format!(
-            "**{k} of {total} transcripts differ**: the runs did not play this {label} alike"
+            "**{k} of {total} transcripts differ**: the runs did not play this evaluation alike"
         ),
         None => "not comparable (missing or of another size)".to_string(),
     };
@@ -188,8 +188,8 @@ fn shared_evaluations(runs: &[Run]) {
         println!(
             "| {seed} | {kind} | {} | {} | {} |",
             presets.join(", "),
-            say("evaluation", base, first.base_transcripts.len()),
-            say("evaluation", warm, first.warm_transcripts.len())
+            say(base, first.base_transcripts.len()),
+            say(warm, first.warm_transcripts.len())
         );
     }
 }
