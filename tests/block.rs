@@ -774,6 +774,7 @@ fn an_rl_update_trains_a_block_lora_from_logged_sessions() {
     let sel = Selection {
         source: None,
         since: None,
+        until: None,
         limit: 10,
     };
     // GSPO (sequence ratios: the group-mean matrix is cut with the runs) with the KL term, one

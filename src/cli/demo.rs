@@ -9,7 +9,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::demo::{report, wilson, Demo, DemoConfig, ProcessSignal, Progress};
 use turnwise::learn::annotate::{IgContext, IgPolicy};
-use turnwise::learn::Algo;
+use turnwise::learn::{Algo, ProcessScale};
 use turnwise::policy::{Engine, EngineCounters, OutputHead};
 
 use super::ModelArgs;
@@ -118,6 +118,14 @@ pub struct DemoArgs {
     /// as groups with a success)
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     dr_grpo: OnOff,
+    /// A²TGPO / ATPO α, the weight of the process term [0.3, the released script's; the
+    /// paper's 1.0 lets the process signal outweigh the outcome]
+    #[arg(long)]
+    alpha: Option<f64>,
+    /// Whether the process signal is divided by its turn group's std: `as-outcome` follows
+    /// --dr-grpo (one switch for both terms, as the released code), `std` always, `centre` never
+    #[arg(long, value_enum, default_value_t = ProcessScale::AsOutcome)]
+    process_scale: ProcessScale,
     /// RL gives digit tokens (copied order ids) no policy gradient, so that the reward trains
     /// the decisions and leaves number copying as the warm start taught it [default: off;
     /// measured on seed 1: no candidate passed the validation gate; with the id slot, -34 points:
@@ -253,6 +261,10 @@ impl DemoArgs {
             c.rl.keep_optimizer = k == OnOff::On;
         }
         c.rl.dr_grpo = self.dr_grpo == OnOff::On;
+        if let Some(a) = self.alpha {
+            c.rl.alpha = a;
+        }
+        c.rl.process_scale = self.process_scale;
         c.greedy_digits = self.greedy_digits == OnOff::On;
         c.id_slot = self.id_slot == OnOff::On;
         c.block_warm = self.block_warm;

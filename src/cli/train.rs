@@ -15,7 +15,9 @@ use turnwise::learn::annotate::{
     annotate_sessions, AnnotateConfig, IgBaseline, IgContext, IgPolicy, IgSpace,
 };
 use turnwise::learn::objective::{Aggregation, ClipMode, Granularity};
-use turnwise::learn::{gate, run_update, AdvantageMode, Algo, Backend, Selection, TrainConfig};
+use turnwise::learn::{
+    gate, run_update, AdvantageMode, Algo, Backend, ProcessScale, Selection, TrainConfig,
+};
 use turnwise::policy::OutputHead;
 use turnwise::store::{Source, Store};
 
@@ -110,9 +112,22 @@ pub struct TrainArgs {
     /// Reference adapter id of the KL term (default: the base policy, adapter off)
     #[arg(long)]
     kl_ref: Option<i64>,
-    /// A²TGPO α (weight of the process term)
-    #[arg(long, default_value_t = 1.0)]
-    alpha: f64,
+    /// A²TGPO α (weight of the process term) [0.3, the released script's; the paper's 1.0]
+    #[arg(long)]
+    alpha: Option<f64>,
+    /// Whether the process signal is divided by its turn group's std: `as-outcome` follows
+    /// --dr-grpo, `std` always, `centre` never [as-outcome]
+    #[arg(long, value_enum)]
+    process_scale: Option<ProcessScale>,
+    /// Offline replay: run update N of this database again — the same sessions (the newest
+    /// of its selection created before it ran), its recorded settings and parent adapter —
+    /// with the settings given here changed, and print what it measured (advantage balance,
+    /// trust region per step). Writes nothing: no adapter, no update row, no annotation.
+    #[arg(long, value_name = "UPDATE", conflicts_with_all = ["activate", "fresh", "block_k"])]
+    replay: Option<i64>,
+    /// With --replay: also write the replay's full diagnostics as JSON to this file
+    #[arg(long, requires = "replay")]
+    json: Option<std::path::PathBuf>,
     /// Groups (scenario keys or opening-state clusters) with fewer sessions merge into one
     /// batch-wide group judged against the value head
     #[arg(long, default_value_t = 2)]
@@ -708,6 +723,9 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     if args.block_k.is_some() && args.algo == Algo::Sft {
         return run_block_sft(args, db);
     }
+    if let Some(update) = args.replay {
+        return run_replay(&args, db, update);
+    }
     let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
     let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
     store.set_policy_model(&assets::model_stamp_json(&model));
@@ -751,7 +769,12 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     if let Some(e) = args.adam_eps {
         cfg.adam_eps = e;
     }
-    cfg.alpha = args.alpha;
+    if let Some(a) = args.alpha {
+        cfg.alpha = a;
+    }
+    if let Some(p) = args.process_scale {
+        cfg.process_scale = p;
+    }
     cfg.min_group_size = args.min_group_size;
     cfg.gigpo_omega = args.gigpo_omega;
     cfg.gigpo_similarity = args.gigpo_similarity;
@@ -783,6 +806,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     let sel = Selection {
         source: parse_source(args.sel.source.as_deref())?,
         since: args.sel.since.clone(),
+        until: None,
         limit: args.sel.limit,
     };
     let pb = ProgressBar::new(1);
@@ -948,6 +972,150 @@ pub fn adapters(args: AdaptersArgs, db: &Path) -> anyhow::Result<ExitCode> {
                 println!("{}", p.display());
             }
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `turnwise train --replay N`: update N again on the sessions it saw, with its recorded
+/// settings except those given on the command line, in dry-run mode.
+fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Result<ExitCode> {
+    let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
+    let rec = store
+        .update_record(update)
+        .with_context(|| format!("reading update {update}"))?;
+    let mut cfg: TrainConfig = serde_json::from_value(rec.config.clone())
+        .with_context(|| format!("update {update}'s recorded settings"))?;
+    let adapter = rec.adapter_id.with_context(|| {
+        format!("update {update} wrote no adapter (it was rejected): there is no batch to replay")
+    })?;
+    let parent = match store.adapter(adapter)?.parent_id {
+        Some(p) => {
+            let a = Adapter::load(Path::new(&store.adapter(p)?.path))
+                .with_context(|| format!("loading the update's parent adapter {p}"))?;
+            Some((p, Arc::new(a)))
+        }
+        None => None,
+    };
+    let sessions = rec.diagnostics["sessions"].as_u64().unwrap_or(0) as usize;
+    let source = match rec.algo.as_str() {
+        "sft" => Some(Source::Import),
+        _ => parse_source(args.sel.source.as_deref())?,
+    };
+    let sel = Selection {
+        source,
+        since: args.sel.since.clone(),
+        until: Some(rec.created_at.clone()),
+        limit: if sessions > 0 {
+            sessions
+        } else {
+            args.sel.limit
+        },
+    };
+    if let Some(v) = args.epochs {
+        cfg.epochs = v;
+    }
+    if let Some(v) = args.lr {
+        cfg.lr = v;
+    }
+    if let Some(v) = args.clip {
+        cfg.objective.clip = v;
+    }
+    if let Some(v) = args.eps_low {
+        cfg.objective.eps_low = v;
+    }
+    if let Some(v) = args.eps_high {
+        cfg.objective.eps_high = v;
+    }
+    if let Some(v) = args.alpha {
+        cfg.alpha = v;
+    }
+    if let Some(v) = args.process_scale {
+        cfg.process_scale = v;
+    }
+    if let Some(v) = args.advantage {
+        cfg.advantage = v;
+    }
+    if let Some(v) = args.granularity {
+        cfg.objective.granularity = v;
+    }
+    cfg.keep_optimizer |= args.keep_optimizer;
+    cfg.dr_grpo |= args.dr_grpo;
+    cfg.dry_run = true;
+    let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
+    let head = OutputHead::from_gguf(&model)?;
+    let report = run_update(&mut store, db, &head, parent, &cfg, &sel, |_, _, _| {})?;
+    let d = &report.diagnostics;
+    let b = &d.advantage_balance;
+    println!(
+        "update {update} replayed: {} sessions, {} tokens, {} steps (alpha {}, process scale \
+         {:?}, dr_grpo {}, clip {:?} {}/{}, lr {}, epochs {})",
+        d.sessions,
+        d.tokens,
+        d.steps,
+        cfg.alpha,
+        cfg.process_scale,
+        cfg.dr_grpo,
+        cfg.objective.clip,
+        cfg.objective.eps_low,
+        cfg.objective.eps_high,
+        cfg.lr,
+        cfg.epochs
+    );
+    println!(
+        "advantages: outcome share {:.3}, process turns against their outcome {}/{} ({:.1} %)",
+        b.outcome_share,
+        b.contradicting,
+        b.process_turns,
+        100.0 * b.contradiction_rate()
+    );
+    for k in &b.by_kind {
+        println!(
+            "  {:32} {:>4}/{:<4} against",
+            k.kind, k.contradicting, k.turns
+        );
+    }
+    println!(
+        "{:>5} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "step",
+        "clip lo",
+        "clip hi",
+        "turn p50",
+        "turn p90",
+        "turn max",
+        "tok p50",
+        "tok p90",
+        "KL k3"
+    );
+    let n = d.trust_region_steps.len();
+    for (i, t) in d.trust_region_steps.iter().enumerate() {
+        let label = if i + 1 == n {
+            "final".to_string()
+        } else {
+            (i + 1).to_string()
+        };
+        println!(
+            "{:>5} {:>7.3} {:>7.3} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e}",
+            label,
+            t.clip_frac_low,
+            t.clip_frac_high,
+            t.turn_log_ratio.p50,
+            t.turn_log_ratio.p90,
+            t.turn_log_ratio.max,
+            t.token_log_ratio.p50,
+            t.token_log_ratio.p90,
+            t.k3
+        );
+    }
+    println!(
+        "candidate over the whole batch: approx KL {:.4}, k3 {:.4}, clipped {:.3} low / {:.3} high",
+        d.candidate.approx_kl,
+        d.candidate.k3,
+        d.candidate.clip_frac_low,
+        d.candidate.clip_frac_high
+    );
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&d.to_json())?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)
 }

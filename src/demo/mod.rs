@@ -1235,6 +1235,7 @@ impl<'a> Demo<'a> {
         let sel = Selection {
             source: Some(Source::Import),
             since: None,
+            until: None,
             limit: self.cfg.demos,
         };
         progress(Progress::Phase("warm start", 1));
@@ -1487,6 +1488,7 @@ impl<'a> Demo<'a> {
         let sel = Selection {
             source: Some(Source::Demo),
             since: None,
+            until: None,
             limit: trained_on,
         };
         let (mut update_id, mut candidate, mut activated, mut note, mut diagnostics) =

@@ -3,29 +3,40 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 
+pub use super::diagnostics::{AdvantageBalance, KindBalance};
+
 /// `z(x)` inside groups: `(x − mean) / (sqrt(var + 1e-8) + 1e-6)`; a group with one member gets 0.
-/// With `scale = false` (Dr.GRPO) the result is only centred.
+/// With `scale = false` (Dr.GRPO) the result is only centred. Two passes (the mean, then the
+/// squared deviations from it): the one-pass `E[x²] − E[x]²` loses every digit of the spread
+/// when the values share a large offset.
 pub fn group_normalize<G: Hash + Eq + Clone>(x: &[f64], groups: &[G], scale: bool) -> Vec<f64> {
-    let mut acc: HashMap<G, (f64, f64, usize)> = HashMap::new();
+    let mut sum: HashMap<G, (f64, usize)> = HashMap::new();
     for (v, g) in x.iter().zip(groups) {
-        let e = acc.entry(g.clone()).or_insert((0.0, 0.0, 0));
+        let e = sum.entry(g.clone()).or_insert((0.0, 0));
         e.0 += v;
-        e.1 += v * v;
-        e.2 += 1;
+        e.1 += 1;
+    }
+    let mean = |g: &G| {
+        let (s, n) = sum[g];
+        s / n as f64
+    };
+    let mut sq: HashMap<G, f64> = HashMap::new();
+    for (v, g) in x.iter().zip(groups) {
+        *sq.entry(g.clone()).or_insert(0.0) += (v - mean(g)).powi(2);
     }
     x.iter()
         .zip(groups)
         .map(|(v, g)| {
-            let (s, ss, n) = acc[g];
+            let n = sum[g].1;
             if n < 2 {
                 return 0.0;
             }
-            let mean = s / n as f64;
-            let var = (ss / n as f64 - mean * mean).max(0.0);
+            let m = mean(g);
             if scale {
-                (v - mean) / ((var + 1e-8).sqrt() + 1e-6)
+                let var = sq[g] / n as f64;
+                (v - m) / ((var + 1e-8).sqrt() + 1e-6)
             } else {
-                v - mean
+                v - m
             }
         })
         .collect()
@@ -47,7 +58,8 @@ pub fn informative_groups<G: Hash + Eq + Clone>(rewards: &[f64], groups: &[G]) -
 /// A²TGPO turn-level advantages (§3). `signal[i][t]` is the per-turn process signal of session
 /// `i` (information gain or success contribution) for its assistant turns `t = 0..T_i`;
 /// `r_hat[i]` the normalised outcome. Returns `(Â, îg)` per session and turn:
-/// `îg` is `z(signal)` within the turn group `(g_i, t)` of **process turns only**: a session's
+/// `îg` is `z(signal)` (only centred with `scale = false`, the switch that governs the outcome's
+/// std division too) within the turn group `(g_i, t)` of **process turns only**: a session's
 /// final turn joins no turn group (its signal carries the outcome, on another scale, and would
 /// credit a longer group-mate's process turn with this session's ending) and gets `îg = 0`;
 /// process turns get
@@ -58,6 +70,7 @@ pub fn a2tgpo<G: Hash + Eq + Clone>(
     r_hat: &[f64],
     gamma: f64,
     alpha: f64,
+    scale: bool,
 ) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
     // turn-group normalisation over (group, turn index) of the process turns only
     let mut flat = Vec::new();
@@ -68,7 +81,7 @@ pub fn a2tgpo<G: Hash + Eq + Clone>(
             keys.push((groups[i].clone(), t));
         }
     }
-    let z = group_normalize(&flat, &keys, true);
+    let z = group_normalize(&flat, &keys, scale);
     let mut ig_hat = Vec::with_capacity(signal.len());
     let mut k = 0;
     for s in signal {
@@ -98,6 +111,55 @@ pub fn a2tgpo<G: Hash + Eq + Clone>(
         })
         .collect();
     (adv, ig_hat)
+}
+
+/// How the outcome and the process signal share a batch's turn advantages (A²TGPO-style
+/// estimators: `Â_{i,t} = R̂_i + process_{i,t}`). `kind(i, t)` names the kind of session `i`'s
+/// process turn `t` (its signal and position) for the per-kind rows.
+///
+/// - `outcome_share` = `Σ|R̂_i| / Σ(|R̂_i| + |Â_{i,t} − R̂_i|)` over every turn;
+/// - a process turn (any turn but its session's last) *contradicts* its outcome when
+///   `R̂_i ≠ 0` and `Â_{i,t}` has the other sign (or is 0): the update then pushes the turn
+///   against what its session's ending says. Turns of sessions with `R̂ = 0` are not counted.
+pub fn advantage_balance(
+    adv: &[Vec<f64>],
+    r_hat: &[f64],
+    kind: impl Fn(usize, usize) -> String,
+) -> AdvantageBalance {
+    let (mut outcome, mut process) = (0.0, 0.0);
+    let mut kinds: std::collections::BTreeMap<String, (usize, usize)> = Default::default();
+    let (mut turns, mut against) = (0, 0);
+    for (i, (a, &r)) in adv.iter().zip(r_hat).enumerate() {
+        for (t, &x) in a.iter().enumerate() {
+            outcome += r.abs();
+            process += (x - r).abs();
+            if t + 1 == a.len() || r == 0.0 {
+                continue;
+            }
+            let contradicts = x * r <= 0.0;
+            let e = kinds.entry(kind(i, t)).or_default();
+            e.0 += 1;
+            turns += 1;
+            if contradicts {
+                e.1 += 1;
+                against += 1;
+            }
+        }
+    }
+    let total = outcome + process;
+    AdvantageBalance {
+        outcome_share: if total > 0.0 { outcome / total } else { 0.0 },
+        process_turns: turns,
+        contradicting: against,
+        by_kind: kinds
+            .into_iter()
+            .map(|(kind, (turns, contradicting))| KindBalance {
+                kind,
+                turns,
+                contradicting,
+            })
+            .collect(),
+    }
 }
 
 /// GiGPO / SLEA-RL step advantages (§3): `A = R̂ + ω · A_step`, where `A_step` is the z-score of
@@ -333,7 +395,7 @@ mod tests {
     #[test]
     fn unequal_lengths_keep_final_turns_out_of_turn_groups() {
         let sig = vec![vec![0.2, 3.0], vec![0.2, 0.5, 2.0]];
-        let (adv, ig) = a2tgpo(&sig, &["g", "g"], &[0.0, 0.0], 1.0, 1.0);
+        let (adv, ig) = a2tgpo(&sig, &["g", "g"], &[0.0, 0.0], 1.0, 1.0, true);
         for a in adv.iter().flatten() {
             assert!(a.abs() < 1e-12, "{adv:?}");
         }
@@ -341,7 +403,7 @@ mod tests {
         // before the fix, (g, 1) held 3.0 and 0.5: the longer session's turn 1 got îg = −1 and
         // its turn 0 an advantage of −1/√2
         let sig = vec![vec![1.0, 9.0], vec![0.0, 2.0, 7.0], vec![0.0, 4.0, 1.0]];
-        let (adv, ig) = a2tgpo(&sig, &["g", "g", "g"], &[0.0; 3], 1.0, 1.0);
+        let (adv, ig) = a2tgpo(&sig, &["g", "g", "g"], &[0.0; 3], 1.0, 1.0, true);
         // (g, 0): (1, 0, 0) → z = (√2, −1/√2, −1/√2); (g, 1): (2, 4) → ∓1
         let s2 = 2f64.sqrt();
         assert!((ig[0][0] - s2).abs() < 1e-5 && (ig[1][0] + 1.0 / s2).abs() < 1e-5);
@@ -411,7 +473,7 @@ mod tests {
     fn a2tgpo_by_hand() {
         // two sessions of one group, three turns each; signals per turn index
         let sig = vec![vec![1.0, 2.0, 9.0], vec![0.0, 0.0, 5.0]];
-        let (adv, ig) = a2tgpo(&sig, &["g", "g"], &[0.5, -0.5], 1.0, 1.0);
+        let (adv, ig) = a2tgpo(&sig, &["g", "g"], &[0.5, -0.5], 1.0, 1.0, true);
         // turn 0: (1, 0) -> ±1; turn 1: (2, 0) -> ±1
         let one = 1.0 / (1.0 + 1e-6 + 1e-8 / 2.0);
         assert!((ig[0][0] - 1.0).abs() < 1e-5 && (ig[1][1] + 1.0).abs() < 1e-5);
@@ -421,7 +483,55 @@ mod tests {
         assert_eq!(adv[0][2], 0.5);
         assert!((adv[1][0] - (-2.0 * one / 2f64.sqrt() - 0.5)).abs() < 1e-5);
         // gamma discounts later turns
-        let (adv, _) = a2tgpo(&sig, &["g", "g"], &[0.0, 0.0], 0.5, 0.3);
+        let (adv, _) = a2tgpo(&sig, &["g", "g"], &[0.0, 0.0], 0.5, 0.3, true);
         assert!((adv[0][0] - 0.3 * (one + 0.5 * one) / 2f64.sqrt()).abs() < 1e-5);
+    }
+
+    /// Two sessions of one group, R̂ = ±0.5, three turns each: each has one process turn
+    /// pushed against its outcome (−0.2 in the success, +0.1 in the failure).
+    #[test]
+    fn advantage_balance_by_hand() {
+        let adv = vec![vec![0.8, -0.2, 0.5], vec![-0.3, 0.1, -0.5], vec![0.4, 0.0]];
+        let r = [0.5, -0.5, 0.0];
+        let b = advantage_balance(&adv, &r, |_, t| format!("turn {}", t + 1));
+        // Σ|R̂| = 6 × 0.5 = 3; process parts 0.3 + 0.7 + 0.2 + 0.6 + 0.4 = 2.2
+        assert!((b.outcome_share - 3.0 / 5.2).abs() < 1e-12, "{b:?}");
+        assert_eq!((b.process_turns, b.contradicting), (4, 2));
+        assert_eq!(b.by_kind.len(), 2);
+        assert_eq!(
+            (b.by_kind[1].kind.as_str(), b.by_kind[1].turns),
+            ("turn 2", 2)
+        );
+        assert_eq!(b.by_kind[1].contradicting, 2);
+        assert_eq!(b.by_kind[0].contradicting, 0);
+        assert!((b.contradiction_rate() - 0.5).abs() < 1e-12);
+    }
+
+    /// The numbers: rewards 1e5 + {0, .001, .002, 0} have mean 1e5 + 7.5e-4 and
+    /// std ≈ 8.29e-4; the one-pass variance lost 40 % of z.
+    #[test]
+    fn z_scores_keep_their_digits_under_a_large_offset() {
+        let x = [1e5, 1e5 + 0.001, 1e5 + 0.002, 1e5];
+        let z = group_normalize(&x, &[0; 4], true);
+        let m: f64 = 7.5e-4;
+        let sd = ((m * m + (0.001 - m).powi(2) + (0.002 - m).powi(2) + m * m) / 4.0f64).sqrt();
+        let want = (0.002 - m) / ((sd * sd + 1e-8).sqrt() + 1e-6);
+        assert!(
+            (z[2] - want).abs() < 1e-6 * want.abs(),
+            "{} vs {want}",
+            z[2]
+        );
+    }
+
+    /// One switch scales both terms: centred only, a turn group (0.01, 0.02) gets ∓0.005,
+    /// not ∓1.
+    #[test]
+    fn centred_process_signal_keeps_its_magnitude() {
+        let sig = vec![vec![0.01, 1.0], vec![0.02, 0.0]];
+        let (adv, ig) = a2tgpo(&sig, &["g", "g"], &[0.25, -0.25], 1.0, 0.3, false);
+        assert!((ig[0][0] + 0.005).abs() < 1e-12 && (ig[1][0] - 0.005).abs() < 1e-12);
+        assert!((adv[0][0] - (0.25 - 0.3 * 0.005)).abs() < 1e-12);
+        let (_, z) = a2tgpo(&sig, &["g", "g"], &[0.25, -0.25], 1.0, 0.3, true);
+        assert!((z[0][0] + 1.0).abs() < 1e-3);
     }
 }

@@ -178,9 +178,10 @@ pub(super) fn load_sessions(
 ) -> Result<Loaded> {
     let (mut out, mut without_block) = (Vec::new(), 0);
     let mut unusable = Vec::new();
-    for s in store.training_sessions(
+    for s in store.training_sessions_before(
         sel.source,
         sel.since.as_deref(),
+        sel.until.as_deref(),
         require_outcome,
         sel.limit.max(1),
     )? {

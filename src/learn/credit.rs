@@ -8,11 +8,11 @@
 use std::collections::HashMap;
 
 use super::advantages::{
-    a2tgpo, baseline_advantage, gigpo, group_normalize, informative_groups, observation_groups,
-    windowed_gae,
+    a2tgpo, advantage_balance, baseline_advantage, gigpo, group_normalize, informative_groups,
+    observation_groups, windowed_gae,
 };
 use super::batch::SessionData;
-use super::diagnostics::ProcessSignalGroups;
+use super::diagnostics::{AdvantageBalance, ProcessSignalGroups};
 use super::update::{AdvantageMode, TrainConfig};
 use crate::adapter::Adapter;
 use crate::error::Result;
@@ -21,6 +21,8 @@ use crate::store::{AnnotationKind, NewAnnotation, Store};
 
 /// What credit assignment produced for a batch.
 pub(super) struct Credit {
+    /// how outcome and process signal share the advantages of the kept sessions
+    pub(super) balance: AdvantageBalance,
     /// sessions the update keeps (DAPO's filter drops groups with equal outcomes)
     pub(super) keep: Vec<bool>,
     /// advantage per session and turn
@@ -132,7 +134,7 @@ pub(super) fn assign(
         session_ig.push(ig);
         signal.push(contrib.iter().map(|c| c.2.unwrap_or(0.0)).collect());
     }
-    if !sft {
+    if !sft && !cfg.dry_run {
         store.add_annotations(&credit_rows)?;
     }
     // one process signal per group: information gain where every session of the group has it
@@ -154,7 +156,24 @@ pub(super) fn assign(
         info_gain_groups: ig_groups,
         success_contribution_groups: group_has_ig.len() - ig_groups,
     };
-    let (a2, ig_hat) = a2tgpo(&signal, groups, &r_hat, cfg.gamma, cfg.alpha);
+    let (a2, ig_hat) = a2tgpo(
+        &signal,
+        groups,
+        &r_hat,
+        cfg.gamma,
+        cfg.alpha,
+        cfg.process_scale.divides(cfg.dr_grpo),
+    );
+    let signal_kind: Vec<&str> = groups
+        .iter()
+        .map(|g| {
+            if group_has_ig[g.as_str()] {
+                "info gain"
+            } else {
+                "success contribution"
+            }
+        })
+        .collect();
     // the value head's calibration on sessions no update has seen (held out from the parent)
     let (mut vp, mut vy) = (Vec::new(), Vec::new());
     for (s, values) in sessions.iter().zip(&state_values).filter(|(s, _)| s.unseen) {
@@ -206,7 +225,25 @@ pub(super) fn assign(
             })
             .collect(),
     };
+    let kept_adv: Vec<Vec<f64>> = (0..sessions.len())
+        .map(|i| {
+            if keep[i] {
+                turn_adv[i].clone()
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    let balance = advantage_balance(&kept_adv, &r_hat, |i, t| {
+        let pos = if t < 2 {
+            format!("turn {}", t + 1)
+        } else {
+            "turn 3+".into()
+        };
+        format!("{}, {pos}", signal_kind[i])
+    });
     Ok(Credit {
+        balance,
         keep,
         turn_adv,
         ig_hat,

@@ -34,5 +34,6 @@ pub mod update;
 
 pub use diagnostics::Diagnostics;
 pub use update::{
-    run_update, AdvantageMode, Algo, Backend, Selection, TrainConfig, UpdateReport, OPTIMIZER_FILE,
+    run_update, AdvantageMode, Algo, Backend, ProcessScale, Selection, TrainConfig, UpdateReport,
+    DEFAULT_ALPHA, OPTIMIZER_FILE,
 };

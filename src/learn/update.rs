@@ -13,9 +13,9 @@ use serde_json::json;
 
 use super::batch::{self, Batch};
 use super::credit::{self, Credit};
-use super::diagnostics::Diagnostics;
+use super::diagnostics::{Diagnostics, TrustRegion};
 use super::objective::{
-    lora_loss_and_grad, Aggregation, ClipMode, Granularity, ObjectiveConfig, TokenBatch,
+    lora_loss_and_grad, surrogate, Aggregation, ClipMode, Granularity, ObjectiveConfig, TokenBatch,
 };
 use super::step::{self, Lora, Minibatch};
 use crate::adapter::{adapter_dir, f32_bytes, f32_tensor, Adapter};
@@ -61,6 +61,33 @@ pub enum AdvantageMode {
     WindowedGae,
 }
 
+/// The released A²TGPO script's α.
+pub const DEFAULT_ALPHA: f64 = 0.3;
+
+/// Whether the process signal of A²TGPO is divided by its turn group's std.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProcessScale {
+    /// as the outcome: z-scored unless Dr.GRPO centres the outcome only
+    #[default]
+    AsOutcome,
+    /// always z-scored (this project's behaviour before the switch)
+    Std,
+    /// only centred
+    Centre,
+}
+
+impl ProcessScale {
+    /// Whether the process signal is divided by its std under `dr_grpo`.
+    pub fn divides(self, dr_grpo: bool) -> bool {
+        match self {
+            ProcessScale::AsOutcome => !dr_grpo,
+            ProcessScale::Std => true,
+            ProcessScale::Centre => false,
+        }
+    }
+}
+
 /// Which engine computes the step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -84,8 +111,14 @@ pub struct TrainConfig {
     pub drop_uninformative: bool,
     /// how turn advantages are formed
     pub advantage: AdvantageMode,
-    /// A²TGPO α (process-term weight)
+    /// A²TGPO α (process-term weight): 0.3 as in the released training script (the paper's
+    /// 1.0 lets the process term outweigh the outcome: docs/algorithms.md, "Advantage scale")
     pub alpha: f64,
+    /// whether A²TGPO's process signal is divided by its turn group's std: by default as the
+    /// outcome is (one switch, `dr_grpo`, governs both, as `norm_adv_by_std_in_grpo` does in
+    /// the released code)
+    #[serde(default = "legacy_process_scale")]
+    pub process_scale: ProcessScale,
     /// A²TGPO γ
     pub gamma: f64,
     /// AdamW learning rate
@@ -186,10 +219,19 @@ pub struct TrainConfig {
     /// attention is dense over a run's rows, so its memory grows with their square
     #[serde(default = "default_block_run_positions")]
     pub block_run_positions: usize,
+    /// measure only: the update runs and returns its diagnostics, and writes nothing (no
+    /// annotation, no update row, no adapter) — `turnwise train --replay`
+    #[serde(skip)]
+    pub dry_run: bool,
 }
 
 /// The group key of sessions whose own group was too small ([`TrainConfig::min_group_size`]).
 pub const FALLBACK_GROUP: &str = "batch-fallback";
+
+/// Settings recorded before the switch existed divided the process signal always.
+fn legacy_process_scale() -> ProcessScale {
+    ProcessScale::Std
+}
 
 fn default_min_group_size() -> usize {
     2
@@ -322,7 +364,8 @@ impl TrainConfig {
             dr_grpo: false,
             drop_uninformative: false,
             advantage,
-            alpha: 1.0,
+            alpha: DEFAULT_ALPHA,
+            process_scale: ProcessScale::AsOutcome,
             gamma: if algo == Algo::Gigpo { 0.95 } else { 1.0 },
             lr: if algo == Algo::Sft { 5e-3 } else { 1e-3 },
             weight_decay: 0.0,
@@ -351,6 +394,7 @@ impl TrainConfig {
             gae_lambda: default_gae_lambda(),
             block: None,
             block_run_positions: default_block_run_positions(),
+            dry_run: false,
         }
     }
 }
@@ -377,6 +421,8 @@ pub struct Selection {
     pub source: Option<Source>,
     /// created at or after (ISO 8601)
     pub since: Option<String>,
+    /// created before (ISO 8601): the batch an earlier update saw
+    pub until: Option<String>,
     /// newest N
     pub limit: usize,
 }
@@ -642,6 +688,7 @@ pub fn run_update(
         None => "output".into(),
     };
     let Credit {
+        balance,
         keep,
         turn_adv,
         ig_hat,
@@ -938,10 +985,19 @@ pub fn run_update(
     let (mut first_ratio_dev, mut last_stats, mut grad_norm_last, mut value_loss_last) =
         (None, None, 0f64, 0f64);
     let mut loss_last = 0f64;
+    let mut trace: Vec<TrustRegion> = Vec::with_capacity(steps + 1);
     for _epoch in 0..cfg.epochs {
         for mb in &minibatches {
             let w = current_lora(&current);
             let (loss, logp_new, grads, stats) = backend.loss_and_grad(mb, w)?;
+            if let Some(st) = &stats {
+                let lp: Vec<f64> = logp_new.iter().map(|&x| x as f64).collect();
+                trace.push(TrustRegion::measure([(
+                    &mb.batch,
+                    lp.as_slice(),
+                    (st.clip_low_frac, st.clip_high_frac),
+                )]));
+            }
             if first_ratio_dev.is_none() && !sft {
                 let dev = logp_new
                     .iter()
@@ -971,6 +1027,11 @@ pub fn run_update(
                 .map(|x| (*x as f64).powi(2))
                 .sum::<f64>()
                 .sqrt();
+            if (!loss.is_finite() || !norm.is_finite() || !vloss.is_finite()) && cfg.dry_run {
+                return Err(Error::Invalid(format!(
+                    "non-finite loss or gradient at step {step} (dry run: nothing recorded)"
+                )));
+            }
             if !loss.is_finite() || !norm.is_finite() || !vloss.is_finite() {
                 let diag = json!({"rejected": "non-finite loss or gradient", "step": step, "loss": loss.to_string(), "grad_norm": norm.to_string()});
                 let id = store.record_update(
@@ -1039,11 +1100,18 @@ pub fn run_update(
     // ---- diagnostics after the update ----------------------------------------------------------
     let (mut ent_sum, mut ent_n) = (0f64, 0usize);
     let (mut ev_num, mut ev_den, mut ys) = (0f64, 0f64, Vec::new());
+    let mut finals = Vec::with_capacity(minibatches.len());
     for mb in &minibatches {
         let new = if block_mode {
             backend.logp(mb, current_lora(&current))?
         } else {
             logprobs(&mb.base, &mb.hs, &mb.tokens, Some(&current))
+        };
+        let clipped = if sft {
+            (0.0, 0.0)
+        } else {
+            let st = surrogate(&cfg.objective, &mb.batch, &new).2;
+            (st.clip_low_frac, st.clip_high_frac)
         };
         // turn entropy: per session, softmax over per-turn shares of the session's Σ lr
         let mut per_seq: BTreeMap<usize, BTreeMap<usize, f64>> = BTreeMap::new();
@@ -1085,6 +1153,16 @@ pub fn run_update(
             let h = mb.h.row(row).to_vec();
             ys.push((y, current.value(&h) as f64));
         }
+        finals.push((new, clipped));
+    }
+    let candidate = TrustRegion::measure(
+        minibatches
+            .iter()
+            .zip(&finals)
+            .map(|(mb, (new, c))| (&mb.batch, new.as_slice(), *c)),
+    );
+    if !sft {
+        trace.push(candidate.clone());
     }
     let ymean = ys.iter().map(|p| p.0).sum::<f64>() / ys.len().max(1) as f64;
     for (y, p) in &ys {
@@ -1110,11 +1188,15 @@ pub fn run_update(
         loss: loss_last,
         policy_loss: st.policy_loss,
         value_loss: value_loss_last,
-        approx_kl: st.approx_kl,
+        approx_kl: candidate.approx_kl,
+        last_step_approx_kl: st.approx_kl,
         kl_ref_k3: st.kl_ref,
         kl_reference: cfg.kl_ref_adapter,
-        clip_frac_low: st.clip_low_frac,
-        clip_frac_high: st.clip_high_frac,
+        clip_frac_low: candidate.clip_frac_low,
+        clip_frac_high: candidate.clip_frac_high,
+        candidate,
+        trust_region_steps: trace,
+        advantage_balance: balance,
         clip_scale_mean: st.clip_scale_mean,
         ratio_mean: st.ratio_mean,
         ratio_max_dev: st.ratio_max_dev,
@@ -1153,6 +1235,13 @@ pub fn run_update(
             .map(|(id, why)| json!({"session": id, "reason": why}))
             .collect(),
     };
+    if cfg.dry_run {
+        return Ok(UpdateReport {
+            update_id: 0,
+            adapter_id: None,
+            diagnostics,
+        });
+    }
     let diagnostics_json = diagnostics.to_json();
 
     // ---- write the candidate atomically, then register it -------------------------------------

@@ -1329,6 +1329,7 @@ pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
     let sel = Selection {
         source: Some(Source::Live),
         since: None,
+        until: None,
         limit: 200,
     };
     // between steps the learner waits while replies are being generated (at most

@@ -238,6 +238,51 @@ impl Store {
     }
 }
 
+/// One row of `updates`.
+#[derive(Debug, Clone)]
+pub struct UpdateRecord {
+    /// `updates.id`
+    pub id: i64,
+    /// when it was recorded (after the update ran)
+    pub created_at: String,
+    /// the candidate it wrote (None: rejected)
+    pub adapter_id: Option<i64>,
+    /// preset name
+    pub algo: String,
+    /// its `TrainConfig` as JSON
+    pub config: serde_json::Value,
+    /// its diagnostics as JSON
+    pub diagnostics: serde_json::Value,
+}
+
+impl Store {
+    /// Update `id`.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`](crate::Error) when there is none; SQLite errors.
+    pub fn update_record(&self, id: i64) -> Result<UpdateRecord> {
+        self.conn
+            .query_row(
+                "SELECT id, created_at, adapter_id, algo, config, diagnostics FROM updates WHERE id = ?1",
+                params![id],
+                |r| {
+                    let c: String = r.get(4)?;
+                    let d: String = r.get(5)?;
+                    Ok(UpdateRecord {
+                        id: r.get(0)?,
+                        created_at: r.get(1)?,
+                        adapter_id: r.get(2)?,
+                        algo: r.get(3)?,
+                        config: serde_json::from_str(&c).unwrap_or(serde_json::Value::Null),
+                        diagnostics: serde_json::from_str(&d).unwrap_or(serde_json::Value::Null),
+                    })
+                },
+            )
+            .optional()?
+            .ok_or_else(|| crate::Error::NotFound(format!("update {id}")))
+    }
+}
+
 fn adapter_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<AdapterRecord> {
     let m: String = r.get(5)?;
     Ok(AdapterRecord {

@@ -6,7 +6,7 @@
 //! one transaction, so a turn that was acknowledged survives a crash the next instant.
 
 mod adapters;
-pub use adapters::CandidateCommit;
+pub use adapters::{CandidateCommit, UpdateRecord};
 mod annotations;
 mod blob;
 mod experience;

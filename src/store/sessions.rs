@@ -214,10 +214,26 @@ impl Store {
         require_outcome: bool,
         limit: usize,
     ) -> Result<Vec<SessionRecord>> {
+        self.training_sessions_before(source, since, None, require_outcome, limit)
+    }
+
+    /// [`Store::training_sessions`] created before `until` as well: the batch an update saw
+    /// when it ran (replayed with `turnwise train --replay`).
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn training_sessions_before(
+        &self,
+        source: Option<Source>,
+        since: Option<&str>,
+        until: Option<&str>,
+        require_outcome: bool,
+        limit: usize,
+    ) -> Result<Vec<SessionRecord>> {
         let sql = format!(
             "SELECT {SESSION_COLUMNS} FROM sessions
              WHERE ended_at IS NOT NULL AND (?1 IS NULL OR source = ?1) AND (?2 IS NULL OR created_at >= ?2)
-               AND (?3 = 0 OR outcome_reward IS NOT NULL)
+               AND (?3 = 0 OR outcome_reward IS NOT NULL) AND (?5 IS NULL OR created_at < ?5)
              ORDER BY id DESC LIMIT ?4"
         );
         let mut st = self.conn.prepare(&sql)?;
@@ -226,7 +242,8 @@ impl Store {
                 source.map(Source::as_str),
                 since,
                 require_outcome,
-                limit as i64
+                limit as i64,
+                until
             ],
             session_row,
         )?;
