@@ -397,10 +397,19 @@ fn compare_pools_seeds_and_pairs_presets() {
     let text = String::from_utf8_lossy(&out.stdout);
     // a2tgpo: (+1 on seed 1, 0 on seed 2) over 8 scenarios = +12.5; grpo: (2 + 1) / 8 = +37.5
     // with the gain of each seed listed: a2tgpo +25 and 0, grpo +50 and +25
-    assert!(text.contains("| a2tgpo | 1, 2 | +25, +0 | +12.5 ["), "{text}");
-    assert!(text.contains("| grpo | 1, 2 | +50, +25 | +37.5 ["), "{text}");
+    assert!(
+        text.contains("| a2tgpo | 1, 2 | +25, +0 | +12.5 ["),
+        "{text}"
+    );
+    assert!(
+        text.contains("| grpo | 1, 2 | +50, +25 | +37.5 ["),
+        "{text}"
+    );
     // final grpo − a2tgpo scenario by scenario: seed 1 (0, 0, +1, 0), seed 2 (+1, 0, 0, 0)
-    assert!(text.contains("| grpo − a2tgpo | 1, 2 | +25, +25 | +25.0 ["), "{text}");
+    assert!(
+        text.contains("| grpo − a2tgpo | 1, 2 | +25, +25 | +25.0 ["),
+        "{text}"
+    );
     assert!(text.contains("hierarchical bootstrap"), "{text}");
     assert!(
         text.contains("| a2tgpo | 1 | 1/4 (25 %) → 2/4 (50 %) |"),

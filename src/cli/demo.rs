@@ -159,12 +159,12 @@ pub struct DemoArgs {
     /// my money back."); off: the id alone (the earlier world)
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     restate: OnOff,
-    /// Lower clip bound of the RL ratio, `1 − ε_low` [default: the preset's, a2tgpo/atpo/gspo
-    /// 3e-3, grpo 0.2]
+    /// Lower clip bound of the RL ratio, `1 − ε_low` [default: the preset's, a2tgpo/atpo/grpo
+    /// 0.2, gspo 3e-3]
     #[arg(long)]
     eps_low: Option<f64>,
-    /// Upper clip bound of the RL ratio, `1 + ε_high` [default: the preset's, a2tgpo/atpo/gspo
-    /// 4e-3, grpo 0.28]
+    /// Upper clip bound of the RL ratio, `1 + ε_high` [default: the preset's, a2tgpo/atpo/grpo
+    /// 0.28, gspo 4e-3]
     #[arg(long)]
     eps_high: Option<f64>,
     /// The validation gate replays with the active adapter only the scenarios where its greedy

@@ -51,7 +51,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1)]
     train_threads: usize,
     /// Promotion gate: largest approximate KL of a candidate to its parent
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = turnwise::learn::gate::DEFAULT_KL_BOUND)]
     gate_kl: f64,
     /// Most conversations held in memory; the least recently used beyond it is dropped from
     /// memory (its log stays, and a later request with its session id restores it)

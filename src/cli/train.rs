@@ -41,7 +41,7 @@ pub struct SelectArgs {
 /// Options of `turnwise train`. Unset switches take the preset's value.
 #[derive(Args)]
 pub struct TrainArgs {
-    /// Preset: a2tgpo (turn ratio, adaptive clip 3e-3/4e-3), atpo (turn ratio, fixed clip),
+    /// Preset: a2tgpo (turn ratio, adaptive clip 0.2/0.28), atpo (turn ratio, fixed clip),
     /// gspo (sequence ratio), grpo (token ratio, clip 0.2/0.28), gigpo (token ratio, step-group
     /// advantages), ppo-token (token ratio, windowed GAE on the value head), sft (warm start)
     #[arg(long, value_enum, default_value_t = Algo::A2tgpo)]
@@ -174,7 +174,7 @@ pub struct TrainArgs {
     #[arg(long, requires = "activate")]
     force: bool,
     /// The gate's bound on |approx KL| of the candidate to its parent
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = gate::DEFAULT_KL_BOUND)]
     gate_kl: f64,
     /// Train a LoRA inside the last K blocks instead of the output-projection LoRA, from
     /// sessions logged with `--block-capture K`: RL algorithms update the active version's

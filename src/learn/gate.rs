@@ -20,6 +20,12 @@ use crate::error::{Error, Result};
 use crate::policy::Role;
 use crate::store::{AdapterStatus, Source, Store};
 
+/// The bound on |approx KL| of a candidate to its parent that `serve`, `train --activate` and
+/// the demo apply unless told otherwise. The KL is the candidate's, over the whole batch after
+/// the last step; on the desk's replayed batches an A²TGPO update measured 0.03–0.12 and GRPO
+/// 0.007–0.03 (docs/results.md, "Offline replay").
+pub const DEFAULT_KL_BOUND: f64 = 0.2;
+
 /// How much the value head's mean estimate may fall before a candidate is refused.
 pub const VALUE_TOLERANCE: f64 = 0.02;
 

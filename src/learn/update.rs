@@ -61,6 +61,9 @@ pub enum AdvantageMode {
     WindowedGae,
 }
 
+/// The turn clip `(ε_low, ε_high)` of the A²TGPO and ATPO presets.
+pub const TURN_EPS: (f64, f64) = (0.2, 0.28);
+
 /// The released A²TGPO script's α.
 pub const DEFAULT_ALPHA: f64 = 0.3;
 
@@ -312,18 +315,23 @@ impl TrainConfig {
     /// The preset of `algo` with the defaults of docs/algorithms.md.
     pub fn preset(algo: Algo) -> Self {
         let (granularity, clip, eps_low, eps_high, aggregation) = match algo {
+            // the turn clip at the token clip's widths: the released script's 3e-3 / 4e-3 is
+            // for full fine-tuning at lr 1e-6; a LoRA at lr 1e-3 moves a turn's mean log-ratio
+            // by ~0.1 per step, and at 3e-3 the clip cut 43 % of the tokens at a median step
+            // (GRPO's token clip: 4 %); at 0.2 / 0.28 it cuts 7 % (docs/results.md, "Offline
+            // replay")
             Algo::A2tgpo => (
                 Granularity::Turn,
                 ClipMode::Adaptive,
-                3e-3,
-                4e-3,
+                TURN_EPS.0,
+                TURN_EPS.1,
                 Aggregation::SeqMeanTokenMean,
             ),
             Algo::Atpo => (
                 Granularity::Turn,
                 ClipMode::Fixed,
-                3e-3,
-                4e-3,
+                TURN_EPS.0,
+                TURN_EPS.1,
                 Aggregation::SeqMeanTokenMean,
             ),
             Algo::Gspo => (

@@ -88,7 +88,7 @@ impl Default for ServerConfig {
             learn_every_minutes: 30.0,
             learn_algo: Algo::A2tgpo,
             train_threads: 1,
-            gate_kl: 0.05,
+            gate_kl: crate::learn::gate::DEFAULT_KL_BOUND,
             max_live_sessions: 1024,
             session_idle: Duration::from_secs(30 * 60),
             body_timeout: Duration::from_secs(30),
