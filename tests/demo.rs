@@ -224,6 +224,75 @@ fn quick_demo_runs_the_whole_loop_and_writes_its_report() {
 /// and the run is reproducible — each engine plays a fixed share of the sessions in a fixed order,
 /// so a second run from the same seed plays the same sessions word for word. More engines than
 /// threads is a clear error.
+/// Presets are compared on the same footing: two presets of one seed in the default
+/// configuration (stopped after the evaluations they share: `--iterations 0`) play identical
+/// base-model and warm-start evaluations — every transcript the same — because evaluations are
+/// played canonically (an engine reset before each session, no session beside it). Before
+/// that, whatever a preset had decoded before (and when a lane's queued close was stepped)
+/// could flip a greedy reply near a tie: seed 7 once gave 8 of 20 base and 35 of 50
+/// warm-start transcripts different between a2tgpo and grpo. Without an activation, the final
+/// evaluation repeats the warm start's play instead of playing it again.
+#[test]
+fn presets_of_a_seed_play_the_same_base_and_warm_start_evaluations() {
+    let run = |algo: &str| {
+        let dir = tempdir();
+        let out = dir.path().join(algo);
+        let o = turnwise(&dir.path().join("unused.db"))
+            .args([
+                "demo",
+                "--seed",
+                "7",
+                "--iterations",
+                "0",
+                "--algo",
+                algo,
+                "--out",
+            ])
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", show(&o));
+        let r: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
+        (dir, r)
+    };
+    let (_a, a) = run("a2tgpo");
+    let (_g, g) = run("grpo");
+    let eval = |r: &serde_json::Value, label: &str| -> serde_json::Value {
+        r["evals"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["label"] == label)
+            .unwrap_or_else(|| panic!("no {label} evaluation"))
+            .clone()
+    };
+    for label in ["base", "warm start"] {
+        let (x, y) = (eval(&a, label), eval(&g, label));
+        let (tx, ty) = (
+            x["transcripts"].as_array().unwrap(),
+            y["transcripts"].as_array().unwrap(),
+        );
+        assert!(!tx.is_empty() && tx.len() == ty.len());
+        let differ: Vec<usize> = (0..tx.len()).filter(|&i| tx[i] != ty[i]).collect();
+        assert!(
+            differ.is_empty(),
+            "{label}: transcripts {differ:?} differ between presets"
+        );
+        assert_eq!(x["success"], y["success"]);
+    }
+    assert_eq!(
+        eval(&a, "warm start")["transcripts"]
+            .as_array()
+            .unwrap()
+            .len(),
+        50
+    );
+    let fin = eval(&a, "final");
+    assert_eq!(fin["same_as"], "warm start");
+    assert_eq!(fin["transcripts"], eval(&a, "warm start")["transcripts"]);
+}
+
 #[test]
 fn two_engines_log_every_session_and_reproduce_a_seeded_run() {
     let args = [

@@ -724,6 +724,8 @@ fn idle_connections_are_capped_and_timed_out() {
             "--no-learn",
             "--max-connections",
             "2",
+            "--max-connections-per-peer",
+            "2",
             "--header-timeout-s",
             "1",
         ],
@@ -752,6 +754,127 @@ fn idle_connections_are_capped_and_timed_out() {
     }
     let (s, b) = http(&a, "GET", "/healthz", &[], b"");
     assert_eq!(s, 200, "{b}");
+}
+
+/// Requests the HTTP parser rejects before any route runs (a garbage request line, headers
+/// over its buffer, a path too long) are answered in OpenAI's error shape like every other
+/// error, not with hyper's empty bodies.
+#[test]
+fn requests_the_parser_rejects_get_json_errors() {
+    let dir = tempdir();
+    let db = dir.path().join("parse.db");
+    let srv = Server::start(&db, &["--no-learn"]);
+    let raw = |req: Vec<u8>| -> String {
+        let mut s = TcpStream::connect(&srv.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&req).unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    let host = format!("Host: {}\r\n", srv.addr);
+    let cases = [
+        (b"GARBAGE\r\n\r\n".to_vec(), 400),
+        (
+            [
+                b"GET /healthz HTTP/1.1\r\n".to_vec(),
+                host.clone().into_bytes(),
+                b"X-Big: ".to_vec(),
+                vec![b'a'; 500_000],
+                b"\r\n\r\n".to_vec(),
+            ]
+            .concat(),
+            431,
+        ),
+        (
+            [
+                b"GET /".to_vec(),
+                vec![b'a'; 70_000],
+                b" HTTP/1.1\r\n".to_vec(),
+                host.clone().into_bytes(),
+                b"\r\n".to_vec(),
+            ]
+            .concat(),
+            414,
+        ),
+    ];
+    for (req, code) in cases {
+        let answer = raw(req);
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {code} ")),
+            "{}",
+            &answer[..answer.len().min(300)]
+        );
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        assert!(head.contains("content-type: application/json"), "{head}");
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
+    }
+    let (s, b) = http(&srv.addr, "GET", "/healthz", &[], b"");
+    assert_eq!(s, 200, "{b}");
+}
+
+/// One peer cannot hold the whole connection budget: with room for four and two per peer,
+/// 127.0.0.1's third idle connection is closed at once, while another peer (127.0.0.2, also
+/// loopback) still gets an answer.
+#[test]
+fn one_peer_cannot_hold_every_connection() {
+    let dir = tempdir();
+    let db = dir.path().join("peers.db");
+    let srv = Server::start(
+        &db,
+        &[
+            "--no-learn",
+            "--max-connections",
+            "4",
+            "--max-connections-per-peer",
+            "2",
+            "--header-timeout-s",
+            "5",
+        ],
+    );
+    let a = srv.addr.clone();
+    let _idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(&a).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut third = TcpStream::connect(&a).unwrap();
+    third
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    assert!(
+        matches!(third.read(&mut buf), Ok(0)),
+        "a peer's connection over its share is closed at once"
+    );
+    // another loopback address is another peer
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut other = rt.block_on(async {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        sock.connect(a.parse().unwrap())
+            .await
+            .unwrap()
+            .into_std()
+            .unwrap()
+    });
+    other.set_nonblocking(false).unwrap();
+    other
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        other,
+        "GET /healthz HTTP/1.1\r\nHost: {a}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    other.read_to_end(&mut raw).unwrap();
+    assert!(
+        String::from_utf8_lossy(&raw).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&raw)
+    );
 }
 
 /// Fault cycles on one database: each cycle starts the server, gets one reply acknowledged,

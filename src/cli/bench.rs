@@ -85,6 +85,11 @@ pub struct BenchArgs {
     /// With --formats: held-out desk scenarios whose transcripts are scored for KL
     #[arg(long, default_value_t = 12)]
     pub(super) kl_sessions: usize,
+    /// Benchmark session lookup instead: a log of this many live sessions (200000 is the
+    /// goal's size), then 4 clients flood `turnwise serve` with feedback on unknown session
+    /// ids while /healthz is timed: latency of both against an idle server
+    #[arg(long, value_name = "SESSIONS", conflicts_with_all = ["train", "serve", "load", "formats"])]
+    pub(super) lookup: Option<usize>,
 }
 
 fn parse_file_type(s: &str) -> Result<turnwise::policy::llama::FileType, String> {
@@ -112,6 +117,9 @@ pub fn run(args: BenchArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     }
     if args.formats {
         return super::bench_formats::run(&args, verbose);
+    }
+    if let Some(n) = args.lookup {
+        return super::bench_serve::lookup(&args, n, verbose);
     }
     if args.serve {
         if args.requests == 0 || args.seed_sessions == 0 {

@@ -267,8 +267,11 @@ fn measure(args: &BenchArgs, dir: &Path, verbose: bool) -> anyhow::Result<ExitCo
     rt.spawn(server::serve(
         listener,
         server::router(state.clone()),
-        256,
-        Duration::from_secs(10),
+        server::ConnectionLimits {
+            // every client of the benchmark is 127.0.0.1
+            per_peer: 256,
+            ..server::ConnectionLimits::new(256)
+        },
     ));
     let before = engine.stats().counters();
     let ours = levels(addr, "turnwise", args)?;

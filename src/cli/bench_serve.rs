@@ -152,7 +152,11 @@ fn measure(args: &BenchArgs, dir: &std::path::Path, verbose: bool) -> anyhow::Re
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let addr = listener.local_addr()?;
     let app = server::router(state.clone());
-    rt.spawn(server::serve(listener, app, 64, Duration::from_secs(10)));
+    rt.spawn(server::serve(
+        listener,
+        app,
+        server::ConnectionLimits::new(64),
+    ));
 
     let bar = |n: usize, what: &str| {
         let b = ProgressBar::new(n as u64);
@@ -336,6 +340,132 @@ fn measure(args: &BenchArgs, dir: &std::path::Path, verbose: bool) -> anyhow::Re
     if idle_tokens != during_tokens {
         println!(
             "note: the phases generated different token counts ({idle_tokens} vs {during_tokens})"
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `turnwise bench --lookup N`: a log of `n` live sessions with client ids, then feedback on
+/// unknown ids from 4 clients at once while `/healthz` is timed, against the idle server.
+///
+/// # Errors
+/// Model, store, bind and request errors.
+pub fn lookup(args: &BenchArgs, n: usize, verbose: bool) -> anyhow::Result<ExitCode> {
+    let dir = std::env::temp_dir().join(format!("turnwise-bench-lookup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let out = measure_lookup(args, n, &dir, verbose);
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
+
+fn measure_lookup(
+    args: &BenchArgs,
+    n: usize,
+    dir: &std::path::Path,
+    verbose: bool,
+) -> anyhow::Result<ExitCode> {
+    let db = dir.join("lookup.db");
+    {
+        let store = turnwise::store::Store::open(&db)?;
+        let pb = ProgressBar::new(n as u64);
+        pb.set_style(
+            ProgressStyle::with_template("{prefix:>22} [{bar:30}] {pos}/{len} {elapsed_precise}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        pb.set_prefix("logging sessions");
+        let tx = store.connection().unchecked_transaction()?;
+        {
+            let mut st = tx.prepare(
+                "INSERT INTO sessions (source, ended_at, outcome_reward, metadata) \
+                 VALUES ('live', strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), 1.0, ?1)",
+            )?;
+            for i in 0..n {
+                st.execute([json!({"client_session_id": format!("client-{i}")}).to_string()])?;
+                if i % 10_000 == 0 {
+                    pb.set_position(i as u64);
+                }
+            }
+        }
+        tx.commit()?;
+        pb.finish_and_clear();
+    }
+    let engine = args.model.start(verbose)?;
+    let cfg = ServerConfig {
+        db: db.clone(),
+        learn_every_minutes: 1e9,
+        ..ServerConfig::default()
+    };
+    let state = AppState::new(engine, cfg)?;
+    let rt = server::runtime()?;
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    rt.spawn(server::serve(
+        listener,
+        server::router(state),
+        server::ConnectionLimits::new(64),
+    ));
+    let health = |k: usize| -> anyhow::Result<Vec<f64>> {
+        let mut v = Vec::with_capacity(k);
+        for _ in 0..k {
+            let (code, _, secs) = request(addr, "GET", "/healthz", None, &[])?;
+            if code != 200 {
+                bail!("/healthz: HTTP {code}");
+            }
+            v.push(secs);
+        }
+        Ok(v)
+    };
+    let per_client = args.requests.max(1) * 25;
+    let unknown = move |client: usize, k: usize| -> anyhow::Result<Vec<f64>> {
+        let mut v = Vec::with_capacity(k);
+        for i in 0..k {
+            let (code, _, secs) = post(
+                addr,
+                &format!("/v1/sessions/no-such-{client}-{i}/feedback"),
+                &json!({"outcome": 1}),
+            )?;
+            if code != 404 {
+                bail!("feedback on an unknown id: HTTP {code}, expected 404");
+            }
+            v.push(secs);
+        }
+        Ok(v)
+    };
+    let idle_health = health(100)?;
+    let idle_unknown = unknown(99, 200)?;
+    let flood: Vec<_> = (0..4)
+        .map(|c| std::thread::spawn(move || unknown(c, per_client)))
+        .collect();
+    let mut busy_health = Vec::new();
+    while !flood.iter().all(|h| h.is_finished()) {
+        busy_health.extend(health(1)?);
+    }
+    let mut flooded = Vec::new();
+    for h in flood {
+        let r = h
+            .join()
+            .map_err(|_| anyhow::anyhow!("a flooding client panicked"))??;
+        flooded.extend(r);
+    }
+    let ms = |v: &[f64], p: f64| 1e3 * percentile(v, p);
+    println!(
+        "session lookup with {n} logged live sessions (127.0.0.1, one connection per request)"
+    );
+    println!("| measure | requests | p50 ms | p95 ms | max ms |");
+    println!("|---|---|---|---|---|");
+    for (name, v) in [
+        ("/healthz, idle", &idle_health),
+        ("feedback on an unknown id, one client", &idle_unknown),
+        ("feedback on an unknown id, 4 clients at once", &flooded),
+        ("/healthz during that flood", &busy_health),
+    ] {
+        println!(
+            "| {name} | {} | {:.2} | {:.2} | {:.2} |",
+            v.len(),
+            ms(v, 50.0),
+            ms(v, 95.0),
+            ms(v, 100.0)
         );
     }
     Ok(ExitCode::SUCCESS)

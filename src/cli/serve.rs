@@ -69,6 +69,10 @@ pub struct ServeArgs {
     /// Most connections open at once; one more is closed as soon as it is accepted
     #[arg(long, default_value_t = 256)]
     max_connections: usize,
+    /// Most connections one peer address holds at once [default: half of --max-connections],
+    /// so that one client cannot take them all (on 127.0.0.1 every local process is one peer)
+    #[arg(long)]
+    max_connections_per_peer: Option<usize>,
     /// Nice value of the background learner (0–19; higher leaves more CPU to serving)
     #[arg(long, default_value_t = 19)]
     learn_nice: i32,
@@ -143,13 +147,15 @@ pub fn run(args: ServeArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode
         std::io::stdout().flush()?;
         tokio::spawn(server::learner(state.clone(), head));
         let head_timeout = std::time::Duration::from_secs(args.header_timeout_s.max(1));
-        server::serve(
-            listener,
-            server::router(state),
-            args.max_connections,
+        let limits = server::ConnectionLimits {
+            max: args.max_connections.max(1),
+            per_peer: args
+                .max_connections_per_peer
+                .unwrap_or(args.max_connections / 2)
+                .max(1),
             head_timeout,
-        )
-        .await?;
+        };
+        server::serve(listener, server::router(state), limits).await?;
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(ExitCode::SUCCESS)

@@ -6,6 +6,7 @@
 //! committed to SQLite before its reply is acknowledged (the JSON body, or the final SSE chunk).
 
 pub mod openai;
+pub mod wire;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -455,28 +456,83 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Serves `app` on `listener` until the process ends: at most `max_connections` connections
-/// at once (one more is closed as soon as it is accepted) and each request head must arrive
-/// within `head_timeout` (a client that opens a connection and sends nothing, or sends its
-/// headers a byte at a time, is disconnected instead of holding a slot).
+/// How many connections [`serve`] holds open, and for how long it waits for a request head.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLimits {
+    /// connections open at once; one more is closed as soon as it is accepted
+    pub max: usize,
+    /// connections one peer address may hold at once (one client cannot take the whole
+    /// budget; on a loopback bind every local process is the same peer)
+    pub per_peer: usize,
+    /// time a client has to send a request's headers
+    pub head_timeout: Duration,
+}
+
+impl ConnectionLimits {
+    /// `max` connections, half of them (at least one) per peer, 10 s for a request head.
+    pub fn new(max: usize) -> Self {
+        ConnectionLimits {
+            max: max.max(1),
+            per_peer: (max / 2).max(1),
+            head_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A held connection slot of one peer: gives its count back when the connection ends.
+struct PeerSlot {
+    peers: Arc<std::sync::Mutex<HashMap<std::net::IpAddr, usize>>>,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut m = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Serves `app` on `listener` until the process ends: at most `limits.max` connections at
+/// once and `limits.per_peer` from one peer address (one more is closed as soon as it is
+/// accepted), and each request head must arrive within `limits.head_timeout` (a client that
+/// opens a connection and sends nothing, or sends its headers a byte at a time, is
+/// disconnected instead of holding a slot).
 ///
 /// # Errors
 /// None in practice: a failed accept is logged and serving goes on.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: Router,
-    max_connections: usize,
-    head_timeout: Duration,
+    limits: ConnectionLimits,
 ) -> std::io::Result<()> {
-    let slots = Arc::new(Semaphore::new(max_connections.max(1)));
+    let slots = Arc::new(Semaphore::new(limits.max.max(1)));
+    let peers: Arc<std::sync::Mutex<HashMap<std::net::IpAddr, usize>>> = Arc::default();
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // e.g. out of file descriptors: wait a little instead of spinning
                 tracing::warn!("accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
+            }
+        };
+        let peer_slot = {
+            let mut m = peers.lock().unwrap_or_else(|e| e.into_inner());
+            let n = m.entry(peer.ip()).or_insert(0);
+            if *n >= limits.per_peer.max(1) {
+                drop(stream);
+                continue;
+            }
+            *n += 1;
+            PeerSlot {
+                peers: peers.clone(),
+                ip: peer.ip(),
             }
         };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
@@ -485,11 +541,11 @@ pub async fn serve(
         };
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         tokio::spawn(async move {
-            let _slot = slot;
+            let (_slot, _peer) = (slot, peer_slot);
             let mut http = hyper::server::conn::http1::Builder::new();
             http.timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(head_timeout);
-            let io = hyper_util::rt::TokioIo::new(stream);
+                .header_read_timeout(limits.head_timeout);
+            let io = hyper_util::rt::TokioIo::new(wire::JsonErrors::new(stream));
             if let Err(e) = http.serve_connection(io, service).await {
                 tracing::debug!("connection ended: {e}");
             }
