@@ -493,3 +493,107 @@ fn sessions_with_unusable_rewards_are_left_out_and_the_update_succeeds() {
     assert_eq!(rec.len(), 1);
     assert_eq!(rec[0].status, turnwise::AdapterStatus::Candidate);
 }
+
+/// `train --replay N` runs update N again on the sessions it saw, with its recorded settings
+/// except those given, and writes nothing: no update row, no adapter, no annotation. Its
+/// numbers are the update's own when nothing is changed (the same batch, the same parent, the
+/// same steps), and it prints the advantage balance and the trust region of every step.
+#[test]
+fn a_replayed_update_measures_again_and_writes_nothing() {
+    let dir = tempdir();
+    let db = dir.path().join("replay.db");
+    let file = dir.path().join("chats.jsonl");
+    let mut lines = String::new();
+    for i in 0..8 {
+        let id = 30000 + i * 11;
+        lines.push_str(&format!(
+            "{{\"messages\":[{{\"role\":\"user\",\"content\":\"Where is order {id}?\"}},{{\"role\":\"assistant\",\"content\":\"Let me check.\"}},{{\"role\":\"user\",\"content\":\"Thanks.\"}},{{\"role\":\"assistant\",\"content\":\"ACTION status {id}\"}}],\"outcome\":{}}}\n",
+            i % 2
+        ));
+    }
+    std::fs::write(&file, lines).unwrap();
+    let out = turnwise(&db)
+        .args(["import", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let out = turnwise(&db)
+        .args(["train", "--algo", "a2tgpo", "--epochs", "1"])
+        .args(["--min-group-size", "1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let counts = || -> (i64, i64, i64) {
+        let store = Store::open(&db).unwrap();
+        let c = store.connection();
+        let n = |t: &str| -> i64 {
+            c.query_row(&format!("SELECT count(*) FROM {t}"), [], |r| r.get(0))
+                .unwrap()
+        };
+        (n("updates"), n("adapters"), n("annotations"))
+    };
+    let before = counts();
+    assert_eq!((before.0, before.1), (1, 1));
+    let recorded: serde_json::Value = {
+        let store = Store::open(&db).unwrap();
+        serde_json::from_str(
+            &store
+                .connection()
+                .query_row("SELECT diagnostics FROM updates", [], |r| {
+                    r.get::<_, String>(0)
+                })
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    let json = dir.path().join("replay.json");
+    let out = turnwise(&db)
+        .args(["train", "--replay", "1", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("advantages: outcome share"), "{text}");
+    assert!(text.contains("final"), "{text}");
+    assert_eq!(counts(), before, "a replay writes nothing");
+    let replayed: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    for k in ["sessions", "tokens", "steps"] {
+        assert_eq!(replayed[k], recorded[k], "{k}");
+    }
+    let (a, b) = (
+        replayed["approx_kl"].as_f64().unwrap(),
+        recorded["approx_kl"].as_f64().unwrap(),
+    );
+    assert!(
+        (a - b).abs() < 1e-6,
+        "the same update measures the same: {a} vs {b}"
+    );
+    assert_eq!(
+        replayed["trust_region_steps"].as_array().unwrap().len(),
+        replayed["steps"].as_u64().unwrap() as usize + 1
+    );
+    // a changed setting changes what is measured, and is said
+    let out = turnwise(&db)
+        .args(["train", "--replay", "1", "--alpha", "0", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("alpha 0,"));
+    let zero: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(
+        zero["advantage_balance"]["outcome_share"].as_f64(),
+        Some(1.0),
+        "alpha 0: the outcome is the whole advantage"
+    );
+    assert_eq!(counts(), before);
+    // an update that does not exist
+    let out = turnwise(&db)
+        .args(["train", "--replay", "99"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(show(&out).contains("update 99"), "{}", show(&out));
+}

@@ -245,6 +245,8 @@ struct Metrics {
     decode_tps_milli: AtomicU64,
     updates: AtomicU64,
     ended_with_feedback: AtomicU64,
+    /// 1 while an update runs in the background
+    updating: AtomicU64,
 }
 
 /// Shared state of the handlers.
@@ -1218,6 +1220,12 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         m.decode_tps_milli.load(Ordering::Relaxed) as f64 / 1e3,
     );
     line(
+        "turnwise_update_running",
+        "gauge",
+        "1 while a background update runs",
+        m.updating.load(Ordering::Relaxed) as f64,
+    );
+    line(
         "turnwise_queue_depth",
         "gauge",
         "generations admitted and not finished",
@@ -1330,7 +1338,10 @@ pub async fn update_in_background(
         .name("turnwise-learner".into())
         .spawn(move || {
             lower_thread_priority(nice);
-            let _ = tx.send(learn_once(&st, &head));
+            st.metrics.updating.store(1, Ordering::Relaxed);
+            let r = learn_once(&st, &head);
+            st.metrics.updating.store(0, Ordering::Relaxed);
+            let _ = tx.send(r);
         })
         .map_err(|e| crate::Error::Invalid(format!("cannot start the learner thread: {e}")))?;
     rx.await
