@@ -251,8 +251,11 @@ fn main() -> anyhow::Result<()> {
                 std::thread::spawn(move || client(addr, format!("c{cycle}-{k}"), seed, sh, up))
             })
             .collect();
-        // a random moment: anywhere from the first replies to several sessions and an update
-        std::thread::sleep(Duration::from_millis(500 + rng.below(14_500)));
+        // a random moment: in most cycles within the first sessions, in every fourth one late
+        // enough for an update (which yields to the replies being generated) to be written,
+        // gated and activated — or to be killed anywhere in between
+        let window = if cycle % 4 == 3 { 45_000 } else { 12_000 };
+        std::thread::sleep(Duration::from_millis(500 + rng.below(window)));
         child.kill()?; // SIGKILL
         child.wait()?;
         stop.store(true, Ordering::Relaxed);

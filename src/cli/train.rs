@@ -1038,6 +1038,9 @@ fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Result<ExitCo
     if let Some(v) = args.granularity {
         cfg.objective.granularity = v;
     }
+    if let Some(v) = args.aggregation {
+        cfg.objective.aggregation = v;
+    }
     cfg.keep_optimizer |= args.keep_optimizer;
     cfg.dr_grpo |= args.dr_grpo;
     cfg.dry_run = true;
