@@ -183,6 +183,9 @@ fn client(addr: String, tag: String, seed: u64, sh: Arc<Shared>, updating: Arc<A
         if request(&addr, "POST", &end, &json!({})).is_err() {
             return;
         }
+        // a customer's pause before the next conversation: the learner gets the CPU now and
+        // then, as on a real desk (it waits while replies are being generated)
+        std::thread::sleep(Duration::from_millis(1_000 + rng.below(2_000)));
     }
 }
 
@@ -254,7 +257,7 @@ fn main() -> anyhow::Result<()> {
         // a random moment: in most cycles within the first sessions, in every fourth one late
         // enough for an update (which yields to the replies being generated) to be written,
         // gated and activated — or to be killed anywhere in between
-        let window = if cycle % 4 == 3 { 45_000 } else { 12_000 };
+        let window = if cycle % 4 == 3 { 60_000 } else { 12_000 };
         std::thread::sleep(Duration::from_millis(500 + rng.below(window)));
         child.kill()?; // SIGKILL
         child.wait()?;

@@ -249,14 +249,8 @@ pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<
             args.value_steps,
             1e-2,
         )?;
-        let id = store.register_adapter(vid, |id| {
-            turnwise::adapter::adapter_dir(db, id)
-                .to_string_lossy()
-                .into_owned()
-        })?;
-        value.save(&turnwise::adapter::adapter_dir(db, id))?;
         let metrics = serde_json::to_value(&fit)?;
-        store.set_adapter_status(id, turnwise::AdapterStatus::Candidate, Some(&metrics))?;
+        let id = save_candidate(&mut store, db, vid, &value, &metrics)?;
         store.record_update(
             Some(id),
             "value",
@@ -613,7 +607,7 @@ fn import_block(store: &mut Store, db: &Path, path: &Path, model: &Path) -> anyh
 }
 
 /// Registers a new adapter version, writes it atomically and marks it a candidate (rejected,
-/// with the error, when the write fails).
+/// with the error, when the write fails): `learn::candidate::write_candidate`.
 fn save_candidate(
     store: &mut Store,
     db: &Path,
@@ -621,21 +615,9 @@ fn save_candidate(
     adapter: &Adapter,
     metrics: &serde_json::Value,
 ) -> anyhow::Result<i64> {
-    let id = store.register_adapter(parent, |id| {
-        turnwise::adapter::adapter_dir(db, id)
-            .to_string_lossy()
-            .into_owned()
-    })?;
-    if let Err(e) = adapter.save(&turnwise::adapter::adapter_dir(db, id)) {
-        store.set_adapter_status(
-            id,
-            turnwise::AdapterStatus::Rejected,
-            Some(&serde_json::json!({"error": e.to_string()})),
-        )?;
-        return Err(e.into());
-    }
-    store.set_adapter_status(id, turnwise::AdapterStatus::Candidate, Some(metrics))?;
-    Ok(id)
+    Ok(turnwise::learn::candidate::write_candidate(
+        store, db, parent, adapter, metrics,
+    )?)
 }
 
 fn export_adapter(

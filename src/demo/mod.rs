@@ -1409,12 +1409,6 @@ impl<'a> Demo<'a> {
             |_, _| progress(Progress::Tick("block warm start")),
         )?;
         adapter.block = Some(lora);
-        let id = self.store.register_adapter(Some(parent), |id| {
-            crate::adapter::adapter_dir(&self.db, id)
-                .to_string_lossy()
-                .into_owned()
-        })?;
-        adapter.save(&crate::adapter::adapter_dir(&self.db, id))?;
         let metrics = serde_json::json!({
             "algo": "sft-block",
             "block": {"k": k, "targets": ["q", "v"], "r": 8},
@@ -1423,10 +1417,12 @@ impl<'a> Demo<'a> {
             "first_loss": losses.first(),
             "final_loss": losses.last(),
         });
-        self.store.set_adapter_status(
-            id,
-            crate::store::AdapterStatus::Candidate,
-            Some(&metrics),
+        let id = crate::learn::candidate::write_candidate(
+            &mut self.store,
+            &self.db,
+            Some(parent),
+            &adapter,
+            &metrics,
         )?;
         progress(Progress::Done("block warm start"));
         self.phase("block warm start", t);

@@ -13,7 +13,20 @@ use ort::value::Tensor;
 use super::builder::{Dim, Elem, Graph, V};
 use super::runtime::{self, Device};
 use crate::error::{Error, Result};
-use crate::learn::objective::Granularity;
+
+/// Which log-ratio a token's clip acts on.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Granularity {
+    /// PPO/GRPO: `exp(lr_k)` per token
+    Token,
+    /// GSPO: `exp(mean lr)` over the session's assistant tokens
+    Sequence,
+    /// ATPO / A²TGPO: `exp(mean lr)` over the turn's tokens
+    Turn,
+}
 
 /// What the graph optimises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

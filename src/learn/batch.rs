@@ -9,7 +9,7 @@
 use ndarray::Array2;
 
 use super::advantages::merge_small_groups;
-use super::update::{Selection, TrainConfig, FALLBACK_GROUP};
+use super::config::{Selection, TrainConfig, FALLBACK_GROUP};
 use crate::error::{Error, Result};
 use crate::learn::Algo;
 use crate::policy::sampler::Support;

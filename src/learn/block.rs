@@ -8,7 +8,7 @@ use crate::adapter::block::BlockLora;
 use crate::error::{Error, Result};
 use crate::graph::block::{BlockRows, OrtBlock, OutputLora, PolicyHead};
 use crate::graph::step::ObjectiveInputs;
-use crate::learn::update::AdamW;
+use crate::learn::optim::AdamW;
 use crate::policy::llama::{Context, Token};
 
 /// One session as llama.cpp processed it: its tokens, the block input of every position, and

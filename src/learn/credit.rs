@@ -12,8 +12,8 @@ use super::advantages::{
     observation_groups, windowed_gae,
 };
 use super::batch::SessionData;
+use super::config::{AdvantageMode, TrainConfig};
 use super::diagnostics::{AdvantageBalance, ProcessSignalGroups};
-use super::update::{AdvantageMode, TrainConfig};
 use crate::adapter::Adapter;
 use crate::error::Result;
 use crate::learn::Algo;

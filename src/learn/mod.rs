@@ -24,16 +24,20 @@ pub mod advantages;
 pub mod annotate;
 mod batch;
 pub mod block;
+pub mod candidate;
+pub mod config;
 mod credit;
 pub mod diagnostics;
 pub mod gate;
 pub mod groups;
 pub mod objective;
+mod optim;
 mod step;
 pub mod update;
 
-pub use diagnostics::Diagnostics;
-pub use update::{
-    run_update, AdvantageMode, Algo, Backend, ProcessScale, Selection, TrainConfig, UpdateReport,
-    DEFAULT_ALPHA, OPTIMIZER_FILE,
+pub use config::{
+    AdvantageMode, Algo, Backend, ProcessScale, Selection, TrainConfig, DEFAULT_ALPHA, TURN_EPS,
 };
+pub use diagnostics::Diagnostics;
+pub use optim::OPTIMIZER_FILE;
+pub use update::{run_update, UpdateReport};

@@ -10,17 +10,7 @@ use ndarray::{Array2, ArrayView2, LinalgScalar, ScalarOperand};
 use num_traits::Float;
 use serde::{Deserialize, Serialize};
 
-/// Which log-ratio a token's clip acts on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Granularity {
-    /// PPO/GRPO: `exp(lr_k)` per token
-    Token,
-    /// GSPO: `exp(mean lr)` over the session's assistant tokens
-    Sequence,
-    /// ATPO / A²TGPO: `exp(mean lr)` over the turn's tokens
-    Turn,
-}
+pub use crate::graph::step::Granularity;
 
 /// How the clip region is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]

@@ -6,12 +6,12 @@
 
 use ndarray::{Array2, ArrayView2};
 
+use super::config::{Backend, TrainConfig};
 use super::objective::{
     aggregation_weights, clip_bounds, group_mean_matrix, lora_class_ce_and_grad,
     lora_loss_and_grad, lora_loss_and_grad_entropy, policy_weights, surrogate, Aggregation,
     Granularity, SurrogateStats, TokenBatch,
 };
-use super::update::{Backend, TrainConfig};
 use crate::error::{Error, Result};
 use crate::graph::block::{BlockFactors, BlockGraphKind, BlockRows, OrtBlock, PolicyHead};
 use crate::graph::step::{ObjectiveInputs, OrtStep, StepInputs, StepKind};
