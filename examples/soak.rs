@@ -89,7 +89,15 @@ fn start(bin: &Path, db: &Path) -> anyhow::Result<(Child, String)> {
     let mut child = Command::new(bin)
         .arg("--db")
         .arg(db)
-        .args(["serve", "--port", "0", "--learn-every", "1"])
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--learn-every",
+            "2",
+            "--learn-sessions",
+            "24",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()?;

@@ -44,6 +44,9 @@ pub struct ServeArgs {
     /// … or after this many minutes when new sessions ended
     #[arg(long, default_value_t = 30.0)]
     learn_minutes: f64,
+    /// An update learns from at most this many of the newest finished live sessions
+    #[arg(long, default_value_t = 200)]
+    learn_sessions: usize,
     /// Preset of the background updates
     #[arg(long, value_enum, default_value_t = Algo::A2tgpo)]
     algo: Algo,
@@ -118,6 +121,7 @@ pub fn run(args: ServeArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode
         queue: args.queue,
         learn_every_sessions: (!args.no_learn).then_some(args.learn_every),
         learn_every_minutes: args.learn_minutes,
+        learn_sessions: args.learn_sessions.max(1),
         learn_algo: args.algo,
         train_threads: args.train_threads,
         gate_kl: args.gate_kl,

@@ -50,6 +50,8 @@ pub struct ServerConfig {
     pub learn_every_sessions: Option<usize>,
     /// … or after this many minutes with new finished sessions
     pub learn_every_minutes: f64,
+    /// an update learns from at most this many of the newest finished live sessions
+    pub learn_sessions: usize,
     /// the update's preset
     pub learn_algo: Algo,
     /// threads of the learner's step (bounded share of the CPU)
@@ -87,6 +89,7 @@ impl Default for ServerConfig {
             queue: 8,
             learn_every_sessions: Some(20),
             learn_every_minutes: 30.0,
+            learn_sessions: 200,
             learn_algo: Algo::A2tgpo,
             train_threads: 1,
             gate_kl: crate::learn::gate::DEFAULT_KL_BOUND,
@@ -1397,7 +1400,7 @@ pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
         source: Some(Source::Live),
         since: None,
         until: None,
-        limit: 200,
+        limit: st.cfg.learn_sessions.max(1),
     };
     // between steps the learner waits while replies are being generated (at most
     // YIELD_MAX per step, so that a server that is never idle still learns)
