@@ -846,13 +846,15 @@ fn gate_and_activate(
     if !args.activate {
         return Ok(ExitCode::SUCCESS);
     }
-    let verdict = if gate::kl_passes(kl, args.gate_kl) {
-        let cand = Adapter::load(&turnwise::adapter::adapter_dir(db, id))?;
-        let value = gate::value_check(store, &cand, parent, source, gate::VALUE_SESSIONS)?;
-        gate::judge(kl, args.gate_kl, Some(value), None)
-    } else {
-        gate::judge(kl, args.gate_kl, None, None)
-    };
+    let verdict = gate::decide(
+        kl,
+        args.gate_kl,
+        || {
+            let cand = Adapter::load(&turnwise::adapter::adapter_dir(db, id))?;
+            gate::value_check(store, &cand, parent, source, gate::VALUE_SESSIONS).map(Some)
+        },
+        || Ok(None),
+    )?;
     println!("gate: {}", serde_json::to_string(&verdict)?);
     if !verdict.passed && !args.force {
         gate::record(store, id, &verdict)?;

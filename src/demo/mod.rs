@@ -1567,12 +1567,18 @@ impl<'a> Demo<'a> {
                 diagnostics = Some(r.diagnostics);
                 if let Some(id) = candidate {
                     // the KL bound first (free), then the validation comparison (played)
-                    let v = if gate::kl_passes(kl, self.cfg.gate_kl) && self.cfg.val_scenarios > 0 {
-                        Some(self.validation_gate(id)?)
-                    } else {
-                        None
-                    };
-                    let verdict = gate::judge(kl, self.cfg.gate_kl, None, v);
+                    let mut v = None;
+                    let verdict = gate::decide(
+                        kl,
+                        self.cfg.gate_kl,
+                        || Ok(None),
+                        || {
+                            if self.cfg.val_scenarios > 0 {
+                                v = Some(self.validation_gate(id)?);
+                            }
+                            Ok(v)
+                        },
+                    )?;
                     validation = v.map(|v| {
                         [
                             (v.candidate.success, v.candidate.reward),

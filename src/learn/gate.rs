@@ -134,6 +134,26 @@ pub fn judge(
     }
 }
 
+/// The gate's sequence, written once: the KL bound first (free), and only when it holds the
+/// measured checks — `value` (the value head against the parent's, serve and train) and
+/// `validation` (played scenarios, the demo) — each where the caller has one; then the verdict.
+///
+/// # Errors
+/// The checks' errors.
+pub fn decide(
+    kl: f64,
+    kl_bound: f64,
+    value: impl FnOnce() -> Result<Option<ValueCheck>>,
+    validation: impl FnOnce() -> Result<Option<Validation>>,
+) -> Result<GateReport> {
+    if !kl_passes(kl, kl_bound) {
+        return Ok(judge(kl, kl_bound, None, None));
+    }
+    let v = value()?;
+    let val = validation()?;
+    Ok(judge(kl, kl_bound, v, val))
+}
+
 /// The value check over the assistant turns of the newest `sessions` finished sessions of
 /// `source` that have features.
 ///
@@ -221,11 +241,15 @@ pub fn regate_unjudged(
             Ok((cand, parent))
         });
         let report = match loaded {
-            Ok((cand, parent)) if kl_passes(kl, kl_bound) => {
-                let v = value_check(store, &cand, parent.as_ref(), value_source, VALUE_SESSIONS)?;
-                judge(kl, kl_bound, Some(v), None)
-            }
-            Ok(_) => judge(kl, kl_bound, None, None),
+            Ok((cand, parent)) => decide(
+                kl,
+                kl_bound,
+                || {
+                    value_check(store, &cand, parent.as_ref(), value_source, VALUE_SESSIONS)
+                        .map(Some)
+                },
+                || Ok(None),
+            )?,
             Err(e) => {
                 let mut r = judge(f64::NAN, kl_bound, None, None);
                 r.reason = Some(format!("re-gated at start-up: not loadable ({e})"));

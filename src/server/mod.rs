@@ -1421,19 +1421,22 @@ pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
     // gate: the KL to the parent on the batch (the guard set of logged sessions) is bounded,
     // and the value head's estimate of success does not regress
     let kl = report.diagnostics.approx_kl;
-    let verdict = if gate::kl_passes(kl, st.cfg.gate_kl) {
-        let cand = Adapter::load(&crate::adapter::adapter_dir(&st.cfg.db, id))?;
-        let value = gate::value_check(
-            &store,
-            &cand,
-            parent.as_ref().map(|p| p.1.as_ref()),
-            Some(Source::Live),
-            gate::VALUE_SESSIONS,
-        )?;
-        gate::judge(kl, st.cfg.gate_kl, Some(value), None)
-    } else {
-        gate::judge(kl, st.cfg.gate_kl, None, None)
-    };
+    let verdict = gate::decide(
+        kl,
+        st.cfg.gate_kl,
+        || {
+            let cand = Adapter::load(&crate::adapter::adapter_dir(&st.cfg.db, id))?;
+            gate::value_check(
+                &store,
+                &cand,
+                parent.as_ref().map(|p| p.1.as_ref()),
+                Some(Source::Live),
+                gate::VALUE_SESSIONS,
+            )
+            .map(Some)
+        },
+        || Ok(None),
+    )?;
     gate::record(&store, id, &verdict)?;
     let line = serde_json::to_string(&verdict)?;
     if !verdict.passed {
