@@ -8,6 +8,9 @@
 //! ```text
 //! cargo build --release && cargo run --release --example soak -- --cycles 100 --clients 4
 //! ```
+//!
+//! Arguments after `--` go to `turnwise serve` (e.g. `-- --learn-nice 0` when another job
+//! shares the machine and would otherwise starve the learner at its default nice 19).
 
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::net::TcpStream;
@@ -28,6 +31,8 @@ struct Opts {
     seed: u64,
     db: Option<PathBuf>,
     bin: PathBuf,
+    /// extra arguments for `turnwise serve` (after `--`)
+    serve: Vec<String>,
 }
 
 fn opts() -> anyhow::Result<Opts> {
@@ -44,6 +49,7 @@ fn opts() -> anyhow::Result<Opts> {
         seed: 1,
         db: None,
         bin,
+        serve: Vec::new(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -54,8 +60,11 @@ fn opts() -> anyhow::Result<Opts> {
             "--seed" => o.seed = value()?.parse()?,
             "--db" => o.db = Some(value()?.into()),
             "--bin" => o.bin = value()?.into(),
+            "--" => {
+                o.serve = args.by_ref().collect();
+            }
             other => bail!(
-                "unknown argument {other}; use --cycles N --clients K --seed S --db PATH --bin PATH"
+                "unknown argument {other}; use --cycles N --clients K --seed S --db PATH --bin PATH [-- SERVE ARGS]"
             ),
         }
     }
@@ -85,7 +94,7 @@ impl Rng {
     }
 }
 
-fn start(bin: &Path, db: &Path) -> anyhow::Result<(Child, String)> {
+fn start(bin: &Path, db: &Path, extra: &[String]) -> anyhow::Result<(Child, String)> {
     let mut child = Command::new(bin)
         .arg("--db")
         .arg(db)
@@ -98,6 +107,7 @@ fn start(bin: &Path, db: &Path) -> anyhow::Result<(Child, String)> {
             "--learn-sessions",
             "24",
         ])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()?;
@@ -224,7 +234,7 @@ fn main() -> anyhow::Result<()> {
     );
     let t0 = Instant::now();
     for cycle in 0..o.cycles {
-        let (mut child, addr) = match start(&o.bin, &db) {
+        let (mut child, addr) = match start(&o.bin, &db, &o.serve) {
             Ok(x) => x,
             Err(e) => {
                 failed_restarts += 1;
@@ -312,7 +322,7 @@ fn main() -> anyhow::Result<()> {
     }
     bar.finish();
     // the server starts once more on what the cycles left
-    let restart_ok = match start(&o.bin, &db) {
+    let restart_ok = match start(&o.bin, &db, &o.serve) {
         Ok((mut child, addr)) => {
             let ok = matches!(request(&addr, "GET", "/healthz", &json!({})), Ok((200, _)));
             let _ = child.kill();
