@@ -515,6 +515,66 @@ fn background_learning_gates_and_hot_swaps_the_adapter() {
     assert!(r["adapter_id"].is_null(), "{r}");
 }
 
+/// The gate can refuse: with a KL bound no real update meets, the background update writes its
+/// candidate, the gate records the refusal, the candidate becomes `rejected` and replies keep
+/// coming from the base model (no adapter becomes active).
+#[test]
+fn a_candidate_the_gate_refuses_stays_inactive() {
+    let dir = tempdir();
+    let db = dir.path().join("refused.db");
+    let srv = Server::start(
+        &db,
+        &["--learn-every", "2", "--gate-kl", "1e-12", "--algo", "grpo"],
+    );
+    let a = &srv.addr;
+    for (i, outcome) in [(0, "resolved"), (1, "unresolved")] {
+        let id = format!("r{i}");
+        let (s, r) = chat(
+            a,
+            json!({"messages": [{"role": "user", "content": "Hello, I need help."}], "max_tokens": 8, "seed": i, "session_id": id}),
+        );
+        assert_eq!(s, 200, "{r}");
+        let fb = json!({"outcome": outcome}).to_string();
+        let path = format!("/v1/sessions/{id}/feedback");
+        assert_eq!(http(a, "POST", &path, &[], fb.as_bytes()).0, 200);
+        let path = format!("/v1/sessions/{id}/end");
+        assert_eq!(http(a, "POST", &path, &[], b"").0, 200);
+    }
+    let mut rejected = None;
+    for _ in 0..480 {
+        let store = Store::open(&db).unwrap();
+        rejected = store
+            .adapters()
+            .unwrap()
+            .into_iter()
+            .find(|ad| ad.status == AdapterStatus::Rejected);
+        if rejected.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let rejected = rejected.expect("the update's candidate was judged and refused");
+    let gate = &rejected.metrics["gate"];
+    assert_eq!(gate["passed"], false, "{gate}");
+    assert!(
+        gate["reason"].as_str().is_some_and(|r| r.contains("KL")),
+        "{gate}"
+    );
+    let (_, b) = http(a, "GET", "/v1/adapters", &[], b"");
+    assert!(
+        serde_json::from_str::<Value>(&b).unwrap()["active"].is_null(),
+        "{b}"
+    );
+    let (_, r) = chat(
+        a,
+        json!({"messages": [{"role": "user", "content": "Hi again."}], "max_tokens": 4}),
+    );
+    assert!(
+        r["adapter_id"].is_null(),
+        "replies still come from the base model: {r}"
+    );
+}
+
 #[test]
 fn a_full_queue_is_429_and_a_client_that_leaves_cancels_but_is_logged() {
     let dir = tempdir();
