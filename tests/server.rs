@@ -817,7 +817,7 @@ fn idle_connections_are_capped_and_timed_out() {
 }
 
 /// Requests the HTTP parser rejects before any route runs (a garbage request line, headers
-/// over its buffer, a path too long) are answered in OpenAI's error shape like every other
+/// over 128 KiB, a path too long) are answered in OpenAI's error shape like every other
 /// error, not with hyper's empty bodies.
 #[test]
 fn requests_the_parser_rejects_get_json_errors() {

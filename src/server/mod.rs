@@ -461,6 +461,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// The largest request head (request line and headers) the server reads: beyond it, 431.
+pub const MAX_HEAD: usize = 128 * 1024;
+
 /// How many connections [`serve`] holds open, and for how long it waits for a request head.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
@@ -548,8 +551,11 @@ pub async fn serve(
         tokio::spawn(async move {
             let (_slot, _peer) = (slot, peer_slot);
             let mut http = hyper::server::conn::http1::Builder::new();
+            // a request head over MAX_HEAD is 431 whether it arrives in one read or many
+            // (hyper's buffer limit alone depends on how the bytes arrive)
             http.timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(limits.head_timeout);
+                .header_read_timeout(limits.head_timeout)
+                .max_header_size(MAX_HEAD);
             let io = hyper_util::rt::TokioIo::new(wire::JsonErrors::new(stream));
             if let Err(e) = http.serve_connection(io, service).await {
                 tracing::debug!("connection ended: {e}");
