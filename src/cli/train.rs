@@ -713,30 +713,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     store.set_policy_model(&assets::model_stamp_json(&model));
     let head = OutputHead::from_gguf(&model)?;
     let mut cfg = TrainConfig::preset(args.algo);
-    if let Some(v) = args.epochs {
-        cfg.epochs = v;
-    }
-    if let Some(v) = args.lr {
-        cfg.lr = v;
-    }
-    if let Some(v) = args.granularity {
-        cfg.objective.granularity = v;
-    }
-    if let Some(v) = args.clip {
-        cfg.objective.clip = v;
-    }
-    if let Some(v) = args.eps_low {
-        cfg.objective.eps_low = v;
-    }
-    if let Some(v) = args.eps_high {
-        cfg.objective.eps_high = v;
-    }
-    if let Some(v) = args.aggregation {
-        cfg.objective.aggregation = v;
-    }
-    if let Some(v) = args.advantage {
-        cfg.advantage = v;
-    }
+    apply_given(&args, &mut cfg);
     cfg.objective.tis_cap = args.tis;
     cfg.objective.kl_coef = args.kl_coef;
     cfg.kl_ref_adapter = args.kl_ref;
@@ -750,12 +727,6 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     cfg.keep_optimizer = args.keep_optimizer;
     if let Some(e) = args.adam_eps {
         cfg.adam_eps = e;
-    }
-    if let Some(a) = args.alpha {
-        cfg.alpha = a;
-    }
-    if let Some(p) = args.process_scale {
-        cfg.process_scale = p;
     }
     cfg.min_group_size = args.min_group_size;
     cfg.gigpo_omega = args.gigpo_omega;
@@ -960,6 +931,40 @@ pub fn adapters(args: AdaptersArgs, db: &Path) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The settings given on the command line that override a preset's (or a recorded update's).
+fn apply_given(args: &TrainArgs, cfg: &mut TrainConfig) {
+    if let Some(v) = args.epochs {
+        cfg.epochs = v;
+    }
+    if let Some(v) = args.lr {
+        cfg.lr = v;
+    }
+    if let Some(v) = args.granularity {
+        cfg.objective.granularity = v;
+    }
+    if let Some(v) = args.clip {
+        cfg.objective.clip = v;
+    }
+    if let Some(v) = args.eps_low {
+        cfg.objective.eps_low = v;
+    }
+    if let Some(v) = args.eps_high {
+        cfg.objective.eps_high = v;
+    }
+    if let Some(v) = args.aggregation {
+        cfg.objective.aggregation = v;
+    }
+    if let Some(v) = args.advantage {
+        cfg.advantage = v;
+    }
+    if let Some(v) = args.alpha {
+        cfg.alpha = v;
+    }
+    if let Some(v) = args.process_scale {
+        cfg.process_scale = v;
+    }
+}
+
 /// `turnwise train --replay N`: update N again on the sessions it saw, with its recorded
 /// settings except those given on the command line, in dry-run mode.
 fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Result<ExitCode> {
@@ -995,36 +1000,7 @@ fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Result<ExitCo
             args.sel.limit
         },
     };
-    if let Some(v) = args.epochs {
-        cfg.epochs = v;
-    }
-    if let Some(v) = args.lr {
-        cfg.lr = v;
-    }
-    if let Some(v) = args.clip {
-        cfg.objective.clip = v;
-    }
-    if let Some(v) = args.eps_low {
-        cfg.objective.eps_low = v;
-    }
-    if let Some(v) = args.eps_high {
-        cfg.objective.eps_high = v;
-    }
-    if let Some(v) = args.alpha {
-        cfg.alpha = v;
-    }
-    if let Some(v) = args.process_scale {
-        cfg.process_scale = v;
-    }
-    if let Some(v) = args.advantage {
-        cfg.advantage = v;
-    }
-    if let Some(v) = args.granularity {
-        cfg.objective.granularity = v;
-    }
-    if let Some(v) = args.aggregation {
-        cfg.objective.aggregation = v;
-    }
+    apply_given(args, &mut cfg);
     cfg.keep_optimizer |= args.keep_optimizer;
     cfg.dr_grpo |= args.dr_grpo;
     cfg.dry_run = true;
