@@ -445,6 +445,24 @@ fn kill_during_stream_and_training_loses_no_acknowledged_turn() {
     assert_eq!(s, 200);
 }
 
+/// Two one-turn sessions `{prefix}0` (resolved) and `{prefix}1` (unresolved), each ended after
+/// its feedback: enough for a background update with `--learn-every 2`.
+fn two_sessions_with_outcomes(a: &str, prefix: &str) {
+    for (i, outcome) in [(0, "resolved"), (1, "unresolved")] {
+        let id = format!("{prefix}{i}");
+        let (s, r) = chat(
+            a,
+            json!({"messages": [{"role": "user", "content": "Hello, I need help."}], "max_tokens": 8, "seed": i, "session_id": id}),
+        );
+        assert_eq!(s, 200, "{r}");
+        let fb = json!({"outcome": outcome}).to_string();
+        let path = format!("/v1/sessions/{id}/feedback");
+        assert_eq!(http(a, "POST", &path, &[], fb.as_bytes()).0, 200);
+        let path = format!("/v1/sessions/{id}/end");
+        assert_eq!(http(a, "POST", &path, &[], b"").0, 200);
+    }
+}
+
 #[test]
 fn background_learning_gates_and_hot_swaps_the_adapter() {
     let dir = tempdir();
@@ -454,30 +472,7 @@ fn background_learning_gates_and_hot_swaps_the_adapter() {
         &["--learn-every", "2", "--gate-kl", "10", "--algo", "grpo"],
     );
     let a = &srv.addr;
-    for (i, outcome) in [(0, "resolved"), (1, "unresolved")] {
-        let id = format!("l{i}");
-        let (s, r) = chat(
-            a,
-            json!({"messages": [{"role": "user", "content": "Hello, I need help."}], "max_tokens": 8, "seed": i, "session_id": id}),
-        );
-        assert_eq!(s, 200, "{r}");
-        let fb = json!({"outcome": outcome}).to_string();
-        assert_eq!(
-            http(
-                a,
-                "POST",
-                &format!("/v1/sessions/{id}/feedback"),
-                &[],
-                fb.as_bytes()
-            )
-            .0,
-            200
-        );
-        assert_eq!(
-            http(a, "POST", &format!("/v1/sessions/{id}/end"), &[], b"").0,
-            200
-        );
-    }
+    two_sessions_with_outcomes(a, "l");
     let mut active = Value::Null;
     for _ in 0..240 {
         let (_, b) = http(a, "GET", "/v1/adapters", &[], b"");
@@ -527,19 +522,7 @@ fn a_candidate_the_gate_refuses_stays_inactive() {
         &["--learn-every", "2", "--gate-kl", "1e-12", "--algo", "grpo"],
     );
     let a = &srv.addr;
-    for (i, outcome) in [(0, "resolved"), (1, "unresolved")] {
-        let id = format!("r{i}");
-        let (s, r) = chat(
-            a,
-            json!({"messages": [{"role": "user", "content": "Hello, I need help."}], "max_tokens": 8, "seed": i, "session_id": id}),
-        );
-        assert_eq!(s, 200, "{r}");
-        let fb = json!({"outcome": outcome}).to_string();
-        let path = format!("/v1/sessions/{id}/feedback");
-        assert_eq!(http(a, "POST", &path, &[], fb.as_bytes()).0, 200);
-        let path = format!("/v1/sessions/{id}/end");
-        assert_eq!(http(a, "POST", &path, &[], b"").0, 200);
-    }
+    two_sessions_with_outcomes(a, "r");
     let mut rejected = None;
     for _ in 0..480 {
         let store = Store::open(&db).unwrap();
