@@ -379,7 +379,7 @@ fn an_imported_peft_block_lora_is_exported_activated_and_hot_swapped() {
         with.reply.tokens, base.reply.tokens,
         "the block LoRA did not change the reply"
     );
-    engine.set_adapter(None).unwrap();
+    engine.set_adapter(None::<(i64, Arc<Adapter>)>).unwrap();
     let again = engine.generate(3, msgs(), greedy, None).unwrap();
     assert_eq!(again.reply.tokens, base.reply.tokens);
     assert_eq!(again.reply.logp_behavior, base.reply.logp_behavior);

@@ -294,7 +294,7 @@ fn supervised_warm_start_teaches_a_reply_format() {
             .filter(|(oid, r)| r.text.trim() == format!("ACTION refund {oid}"))
             .count()
     };
-    engine.set_adapter(None).unwrap();
+    engine.set_adapter(None::<(i64, Arc<Adapter>)>).unwrap();
     let before = hits(&play(&|_| None));
     let mut cfg = TrainConfig::preset(Algo::Sft);
     cfg.epochs = 40;

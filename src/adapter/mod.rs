@@ -405,6 +405,20 @@ pub fn remove_stale_temp_dirs(db: &Path) -> usize {
     removed
 }
 
+impl crate::policy::ServedAdapter for Adapter {
+    fn check_model(&self, n_embd: usize, n_vocab: usize) -> Result<()> {
+        Adapter::check_model(self, n_embd, n_vocab)
+    }
+
+    fn apply(&self, h: &[f32], logits: &mut [f32]) {
+        Adapter::apply(self, h, logits);
+    }
+
+    fn block_gguf(&self) -> Option<Vec<u8>> {
+        self.block.as_ref().map(block::BlockLora::to_gguf)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

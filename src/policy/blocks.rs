@@ -15,6 +15,28 @@ use super::gguf::{GgufIndex, TensorInfo};
 use super::llama;
 use crate::error::{Error, Result};
 
+/// The input of the first adapted block (`l_out-{layer}`) at consecutive positions of a session,
+/// as the engine captures them for a reply (`--block-capture K`); the store keeps them with the
+/// assistant turn whose generation covered them (f16).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockFeatures {
+    /// N of `l_out-N`
+    pub layer: usize,
+    /// width of one row
+    pub n_embd: usize,
+    /// the session position of the first row
+    pub first_pos: usize,
+    /// `n_pos × n_embd` values, row-major
+    pub values: Vec<f32>,
+}
+
+impl BlockFeatures {
+    /// Number of positions.
+    pub fn n_pos(&self) -> usize {
+        self.values.len() / self.n_embd.max(1)
+    }
+}
+
 /// The projections a block LoRA can adapt, in llama.cpp's tensor names (`blk.N.<name>.weight`).
 pub const TARGETS: [(&str, &str); 7] = [
     ("q", "attn_q"),

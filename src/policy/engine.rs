@@ -9,6 +9,7 @@
 //! steps (continuous batching). Sampling, the output adapter's term, the behaviour log-probs
 //! and the feature capture stay per row.
 
+use super::head::ServedAdapter;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::mpsc;
@@ -22,7 +23,6 @@ use super::conversation::{Conversation, Message, PromptTurn, Role, Utf8Stream};
 use super::head::{is_digit_piece, output_types, FeatureDtype};
 use super::llama::{self, Context, ContextParams, Model, Token};
 use super::sampler::{self, Rng, SamplerParams};
-use crate::adapter::Adapter;
 use crate::error::{Error, Result};
 
 /// How the engine is set up.
@@ -133,7 +133,7 @@ pub struct Reply {
     /// block inputs (with `EngineConfig::block_k`) of the positions this generation covered
     /// that an earlier reply of the session did not: the session's token sequence from
     /// `first_pos` up to the last decoded position
-    pub block: Option<crate::store::BlockFeatures>,
+    pub block: Option<super::blocks::BlockFeatures>,
     /// why generation ended
     pub stop: StopReason,
     /// context length (tokens) before the first sampled token
@@ -224,11 +224,11 @@ enum Command {
         session: u64,
     },
     SetAdapter {
-        adapter: Option<(i64, Arc<Adapter>)>,
+        adapter: Option<(i64, Arc<dyn ServedAdapter>)>,
         reply: Reply1<()>,
     },
     SetShadow {
-        adapter: Option<Arc<Adapter>>,
+        adapter: Option<Arc<dyn ServedAdapter>>,
         reply: Reply1<()>,
     },
     Restore {
@@ -603,10 +603,14 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Invalid`] when the adapter's shapes do not fit the model.
-    pub fn set_adapter(&self, adapter: Option<(i64, Arc<Adapter>)>) -> Result<()> {
+    pub fn set_adapter<A: ServedAdapter + 'static>(
+        &self,
+        adapter: Option<(i64, Arc<A>)>,
+    ) -> Result<()> {
         if let Some((_, a)) = &adapter {
             a.check_model(self.info.n_embd, self.info.n_vocab)?;
         }
+        let adapter = adapter.map(|(id, a)| (id, a as Arc<dyn ServedAdapter>));
         Self::wait(self.call(|reply| Command::SetAdapter { adapter, reply }))
     }
 
@@ -619,10 +623,11 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Invalid`] when the adapter's shapes do not fit the model.
-    pub fn set_shadow(&self, adapter: Option<Arc<Adapter>>) -> Result<()> {
+    pub fn set_shadow<A: ServedAdapter + 'static>(&self, adapter: Option<Arc<A>>) -> Result<()> {
         if let Some(a) = &adapter {
             a.check_model(self.info.n_embd, self.info.n_vocab)?;
         }
+        let adapter = adapter.map(|a| a as Arc<dyn ServedAdapter>);
         Self::wait(self.call(|reply| Command::SetShadow { adapter, reply }))
     }
 
@@ -743,8 +748,8 @@ struct Gen {
     hidden: Vec<f32>,
     visible_len: Option<usize>,
     streamed: usize,
-    adapter: Option<(i64, Arc<Adapter>)>,
-    shadow: Option<Arc<Adapter>>,
+    adapter: Option<(i64, Arc<dyn ServedAdapter>)>,
+    shadow: Option<Arc<dyn ServedAdapter>>,
     shadow_agrees: bool,
     context_len: usize,
     prefill_tokens: usize,
@@ -767,7 +772,7 @@ struct Worker {
     // field order matters: the context must drop before the LoRA it uses, both before the model
     ctx: Context,
     /// the block LoRA llama.cpp applies (the adapter's `block` part), as loaded
-    lora: Option<(crate::adapter::block::BlockLora, llama::LoraAdapter)>,
+    lora: Option<(Vec<u8>, llama::LoraAdapter)>,
     model: Model,
     info: ModelInfo,
     n_embd: usize,
@@ -807,9 +812,9 @@ struct Worker {
     /// per session: positions whose block inputs an earlier reply already returned
     block_given: HashMap<u64, usize>,
     /// adapter applied to the logits before sampling
-    adapter: Option<(i64, Arc<Adapter>)>,
+    adapter: Option<(i64, Arc<dyn ServedAdapter>)>,
     /// adapter whose greedy choices are checked against greedy replies
-    shadow: Option<Arc<Adapter>>,
+    shadow: Option<Arc<dyn ServedAdapter>>,
     stats: Arc<EngineStats>,
 }
 
@@ -1193,7 +1198,7 @@ impl Worker {
                 let _ = reply.send(r);
             }
             Command::SetAdapter { adapter, reply } => {
-                let r = self.set_block(adapter.as_ref().and_then(|(_, a)| a.block.as_ref()));
+                let r = self.set_block(adapter.as_ref().and_then(|(_, a)| a.block_gguf()));
                 if r.is_ok() {
                     self.adapter = adapter;
                 }
@@ -1241,8 +1246,8 @@ impl Worker {
     /// switch, so every cached position — computed under the other adapter — is dropped; the
     /// previous adapter is freed once the context no longer holds it. Runs only when no
     /// generation is in flight.
-    fn set_block(&mut self, block: Option<&crate::adapter::block::BlockLora>) -> Result<()> {
-        let same = match (&self.lora, block) {
+    fn set_block(&mut self, block: Option<Vec<u8>>) -> Result<()> {
+        let same = match (&self.lora, &block) {
             (None, None) => true,
             (Some((cur, _)), Some(new)) => cur == new,
             _ => false,
@@ -1252,16 +1257,16 @@ impl Worker {
         }
         let loaded = match block {
             None => None,
-            Some(b) => {
+            Some(gguf) => {
                 let path = std::env::temp_dir().join(format!(
                     "turnwise-block-{}-{:x}.gguf",
                     std::process::id(),
                     self as *const Worker as usize
                 ));
-                std::fs::write(&path, b.to_gguf()).map_err(|e| Error::io(&path, e))?;
+                std::fs::write(&path, &gguf).map_err(|e| Error::io(&path, e))?;
                 let l = llama::LoraAdapter::load(&self.model, &path);
                 let _ = std::fs::remove_file(&path);
-                Some((b.clone(), l?))
+                Some((gguf, l?))
             }
         };
         self.ctx.set_lora(loaded.as_ref().map(|(_, l)| l))?;
@@ -1725,7 +1730,7 @@ impl Worker {
                 .unwrap_or(0)
                 .min(end);
             let n = self.n_embd;
-            crate::store::BlockFeatures {
+            super::blocks::BlockFeatures {
                 layer,
                 n_embd: n,
                 first_pos: first,
@@ -1869,7 +1874,7 @@ impl Worker {
         tokens: &[Token],
         positions: &[usize],
         reuse_prefix: bool,
-        adapter: Option<&Adapter>,
+        adapter: Option<&dyn ServedAdapter>,
     ) -> Result<Rescored> {
         if tokens.len() > self.n_ctx {
             return Err(Error::ContextOverflow {

@@ -15,6 +15,23 @@ use super::gguf::GgufIndex;
 use super::llama;
 use crate::error::{Error, Result};
 
+/// What the engine needs of an adapter to serve it. The policy layer knows no adapter file
+/// format: [`crate::adapter::Adapter`] implements this, and the engine applies whatever it is
+/// given — a low-rank term on the logits at every sampled or rescored position, and a LoRA
+/// inside the blocks that llama.cpp itself applies.
+pub trait ServedAdapter: Send + Sync {
+    /// Checks the adapter's shapes against the model's width and vocabulary.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] on a mismatch.
+    fn check_model(&self, n_embd: usize, n_vocab: usize) -> Result<()>;
+    /// Adds the adapter's term to one row of logits computed from the final hidden state `h`.
+    fn apply(&self, h: &[f32], logits: &mut [f32]);
+    /// The LoRA inside the blocks as a GGUF LoRA file for llama.cpp, when the adapter has one.
+    /// Equal bytes mean the same LoRA (the engine keeps a loaded one instead of reloading it).
+    fn block_gguf(&self) -> Option<Vec<u8>>;
+}
+
 /// How stored hidden states are encoded. The engine rounds each captured `h` through the
 /// activation type of the output matmul (what llama.cpp multiplies with), so the stored feature is
 /// exactly the vector the logits came from; Q8_0 (also used for Q8_1 activations, whose values are

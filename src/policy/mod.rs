@@ -20,5 +20,5 @@ pub use engine::{
     Engine, EngineConfig, EngineCounters, EngineStats, Generation, Lane, ModelInfo, Reply,
     Rescored, StopReason, DEFAULT_N_SEQ,
 };
-pub use head::{FeatureDtype, OutputHead};
+pub use head::{FeatureDtype, OutputHead, ServedAdapter};
 pub use sampler::SamplerParams;

@@ -25,6 +25,7 @@ pub use blob::{
 };
 
 use crate::error::{Error, Result};
+pub use crate::policy::blocks::BlockFeatures;
 use crate::policy::sampler::Support;
 use crate::policy::{FeatureDtype, Role, SamplerParams};
 
@@ -370,27 +371,6 @@ impl Features {
             dtype,
             values,
         })
-    }
-}
-
-/// The input of the first adapted block (`l_out-{layer}`) at consecutive positions of a session,
-/// stored with the assistant turn whose generation covered them (f16).
-#[derive(Debug, Clone, PartialEq)]
-pub struct BlockFeatures {
-    /// N of `l_out-N`
-    pub layer: usize,
-    /// width of one row
-    pub n_embd: usize,
-    /// the session position of the first row
-    pub first_pos: usize,
-    /// `n_pos × n_embd` values, row-major
-    pub values: Vec<f32>,
-}
-
-impl BlockFeatures {
-    /// Number of positions.
-    pub fn n_pos(&self) -> usize {
-        self.values.len() / self.n_embd.max(1)
     }
 }
 
