@@ -23,7 +23,6 @@ pub mod config;
 pub mod demo;
 pub mod env;
 pub mod error;
-pub mod experience;
 pub mod graph;
 pub mod learn;
 pub mod policy;
