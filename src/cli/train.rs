@@ -353,9 +353,8 @@ enum AdaptersCmd {
 /// measured) with that output LoRA on top, as the engine serves them.
 fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     use turnwise::adapter::block::BlockLora;
-    use turnwise::graph::block::{BlockGraphKind, BlockSpec, OrtBlock};
-    use turnwise::graph::step::StepKind;
-    use turnwise::learn::block::{logged_sessions, mean_reply_logp, train_sft, SftConfig};
+    use turnwise::graph::block::BlockSpec;
+    use turnwise::learn::block::{fit_block_sft, logged_sessions, BlockSft, SftConfig};
     use turnwise::policy::blocks::TailModel;
 
     let k = args.block_k.unwrap_or(2);
@@ -412,7 +411,7 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     };
     // the parent's policy in this graph: its block LoRA, or a fresh one (B = 0: the base
     // model's blocks); a block LoRA of another layout cannot be scored here
-    let (mut lora, parent_lora) = match adapter.block.take() {
+    let (lora, parent_lora) = match adapter.block.take() {
         Some(b) if b.spec == spec => (b.clone(), Some(b)),
         None => {
             let fresh = BlockLora::fresh(&tail.hp, spec.clone(), 1);
@@ -423,63 +422,40 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     let batch = 4usize;
     let epochs = args.epochs.unwrap_or(20);
     let steps = epochs * data.len().div_ceil(batch);
-    let mut g = OrtBlock::new(
-        tail,
-        spec.clone(),
-        BlockGraphKind::Step(StepKind::CrossEntropy { digit_class: false }),
-        true,
-        args.device,
-        args.train_threads,
-    )?;
     let pb = ProgressBar::new(steps as u64);
     pb.set_style(
         ProgressStyle::with_template("block SFT {bar:30} {pos}/{len} steps, loss {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    // the candidate is served with its parent's output LoRA: train and score under it
-    let output = Some(adapter.output_lora());
-    let losses = train_sft(
-        &mut g,
-        &data,
-        &mut lora,
-        output,
-        SftConfig {
-            steps,
-            batch,
-            lr: args.lr.unwrap_or(2e-3),
-            seed: 1,
+    let vid = parent.as_ref().map(|(id, _)| *id);
+    let fit = fit_block_sft(
+        &mut store,
+        db,
+        tail,
+        BlockSft {
+            data: &data,
+            lora,
+            parent_lora,
+            adapter,
+            parent: vid,
+            sft: SftConfig {
+                steps,
+                batch,
+                lr: args.lr.unwrap_or(2e-3),
+                seed: 1,
+            },
+            device: args.device,
+            threads: args.train_threads,
         },
-        |_, loss| {
+        serde_json::json!({ "skipped": skipped }),
+        |loss| {
             pb.set_message(format!("{loss:.4}"));
             pb.inc(1);
         },
-    )?;
+    );
     pb.finish_and_clear();
-    // the approximate KL to the parent on the tokens trained on, as the other updates measure it
-    let kl = match &parent_lora {
-        Some(p) => {
-            let (old, n) = mean_reply_logp(&mut g, &data, p, output)?;
-            let (new, _) = mean_reply_logp(&mut g, &data, &lora, output)?;
-            Some((old - new, old, new, n))
-        }
-        None => None,
-    };
-    adapter.block = Some(lora);
-    let metrics = serde_json::json!({
-        "algo": "sft-block",
-        "block": {"k": k, "targets": spec.targets, "r": spec.r, "alpha": spec.alpha},
-        "sessions": data.len(),
-        "skipped": skipped,
-        "steps": steps,
-        "first_loss": losses.first(),
-        "final_loss": losses.last(),
-        "approx_kl": kl.map(|x| x.0),
-        "reply_logp_parent": kl.map(|x| x.1),
-        "reply_logp": kl.map(|x| x.2),
-        "reply_tokens": kl.map(|x| x.3),
-    });
-    let vid = parent.as_ref().map(|(id, _)| *id);
-    let id = save_candidate(&mut store, db, vid, &adapter, &metrics)?;
+    let fit = fit?;
+    let (id, losses, kl, metrics) = (fit.id, fit.losses, fit.kl, fit.metrics);
     store.record_update(
         Some(id),
         "sft-block",

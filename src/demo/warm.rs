@@ -76,9 +76,10 @@ impl Demo<'_> {
         progress: &mut dyn FnMut(Progress),
     ) -> Result<i64> {
         use crate::adapter::block::BlockLora;
-        use crate::graph::block::{BlockGraphKind, BlockSpec, OrtBlock};
-        use crate::graph::step::StepKind;
-        use crate::learn::block::{assistant_positions, capture_sequence, train_sft, Captured};
+        use crate::graph::block::BlockSpec;
+        use crate::learn::block::{
+            assistant_positions, capture_sequence, fit_block_sft, BlockSft, Captured, SftConfig,
+        };
         use crate::policy::blocks::TailModel;
         use crate::policy::llama::{Context, ContextParams, Model};
 
@@ -123,50 +124,36 @@ impl Demo<'_> {
             r: 8,
             alpha: 16.0,
         };
-        let mut lora = BlockLora::fresh(&tail.hp, spec.clone(), self.cfg.seed);
+        let lora = BlockLora::fresh(&tail.hp, spec, self.cfg.seed);
         let batch = 4;
         let steps = (self.cfg.warm.epochs * data.len().div_ceil(batch)).min(150);
         progress(Progress::Phase("block warm start", steps));
-        let mut g = OrtBlock::new(
-            tail,
-            spec,
-            BlockGraphKind::Step(StepKind::CrossEntropy { digit_class: false }),
-            true,
-            crate::graph::Device::Cpu,
-            self.cfg.warm.threads,
-        )?;
         // served on top of the parent's output LoRA: trained on top of it
         let rec = self.store.adapter(parent)?;
-        let mut adapter = Adapter::load(Path::new(&rec.path))?;
-        let losses = train_sft(
-            &mut g,
-            &data,
-            &mut lora,
-            Some(adapter.output_lora()),
-            crate::learn::block::SftConfig {
-                steps,
-                batch,
-                lr: 2e-3,
-                seed: self.cfg.seed,
-            },
-            |_, _| progress(Progress::Tick("block warm start")),
-        )?;
-        adapter.block = Some(lora);
-        let metrics = serde_json::json!({
-            "algo": "sft-block",
-            "block": {"k": k, "targets": ["q", "v"], "r": 8},
-            "sessions": data.len(),
-            "steps": steps,
-            "first_loss": losses.first(),
-            "final_loss": losses.last(),
-        });
-        let id = crate::learn::candidate::write_candidate(
+        let adapter = Adapter::load(Path::new(&rec.path))?;
+        let fit = fit_block_sft(
             &mut self.store,
             &self.db,
-            Some(parent),
-            &adapter,
-            &metrics,
+            tail,
+            BlockSft {
+                data: &data,
+                lora,
+                parent_lora: None,
+                adapter,
+                parent: Some(parent),
+                sft: SftConfig {
+                    steps,
+                    batch,
+                    lr: 2e-3,
+                    seed: self.cfg.seed,
+                },
+                device: crate::graph::Device::Cpu,
+                threads: self.cfg.warm.threads,
+            },
+            serde_json::json!({}),
+            |_| progress(Progress::Tick("block warm start")),
         )?;
+        let id = fit.id;
         progress(Progress::Done("block warm start"));
         self.phase("block warm start", t);
         Ok(id)

@@ -4,12 +4,19 @@
 
 use ndarray::{Array2, Axis};
 
+use std::path::Path;
+
 use crate::adapter::block::BlockLora;
+use crate::adapter::Adapter;
 use crate::error::{Error, Result};
-use crate::graph::block::{BlockRows, OrtBlock, OutputLora, PolicyHead};
+use crate::graph::block::{BlockGraphKind, BlockRows, OrtBlock, OutputLora, PolicyHead};
 use crate::graph::step::ObjectiveInputs;
+use crate::graph::step::StepKind;
+use crate::graph::Device;
 use crate::learn::optim::AdamW;
+use crate::policy::blocks::TailModel;
 use crate::policy::llama::{Context, Token};
+use crate::store::Store;
 
 /// One session as llama.cpp processed it: its tokens, the block input of every position, and
 /// llama.cpp's own logits at the positions that produced a token.
@@ -248,6 +255,113 @@ pub fn parity(graph: &mut OrtBlock, sessions: &[Captured], lora: &BlockLora) -> 
     p.mean_logit_gap = sum_gap / n_gap.max(1) as f64;
     p.mean_logp_gap = sum_lp / p.tokens.max(1) as f64;
     Ok(p)
+}
+
+/// A supervised block-LoRA fit that ends in a candidate adapter version.
+pub struct BlockSft<'a> {
+    /// the captured sessions trained on
+    pub data: &'a [Captured],
+    /// the block LoRA it starts from (trained in place)
+    pub lora: BlockLora,
+    /// the parent's block LoRA in the same layout, when there is one to measure the KL to
+    pub parent_lora: Option<BlockLora>,
+    /// the candidate's other parts (output LoRA, value head: the parent's, or fresh); the block
+    /// LoRA is trained and scored with this output LoRA on top, as the engine serves them
+    pub adapter: Adapter,
+    /// the parent version (None: a fresh adapter)
+    pub parent: Option<i64>,
+    /// steps, batch, learning rate, seed
+    pub sft: SftConfig,
+    /// ONNX Runtime device and threads
+    pub device: Device,
+    /// ONNX Runtime threads
+    pub threads: usize,
+}
+
+/// What [`fit_block_sft`] wrote and measured.
+#[derive(Debug, Clone)]
+pub struct BlockSftReport {
+    /// the candidate version
+    pub id: i64,
+    /// the loss of every step
+    pub losses: Vec<f32>,
+    /// (approx KL to the parent, parent's mean reply log-prob, candidate's, reply tokens) when
+    /// [`BlockSft::parent_lora`] was given
+    pub kl: Option<(f64, f64, f64, usize)>,
+    /// the metrics stored with the candidate
+    pub metrics: serde_json::Value,
+}
+
+/// Trains the block LoRA of `job` teacher-forced ([`train_sft`]) on the tail `tail`, measures
+/// the approximate KL to the parent's block LoRA on the tokens trained on (as the other updates
+/// measure it), and writes the candidate ([`crate::learn::candidate::write_candidate`]) with
+/// `extra` merged into its metrics. `tick` is called after every step with its loss.
+///
+/// # Errors
+/// Graph errors, a non-finite loss, store and write errors (a failed write leaves the version
+/// rejected).
+pub fn fit_block_sft(
+    store: &mut Store,
+    db: &Path,
+    tail: TailModel,
+    job: BlockSft<'_>,
+    extra: serde_json::Value,
+    mut tick: impl FnMut(f32),
+) -> Result<BlockSftReport> {
+    let BlockSft {
+        data,
+        mut lora,
+        parent_lora,
+        mut adapter,
+        parent,
+        sft,
+        device,
+        threads,
+    } = job;
+    let spec = lora.spec.clone();
+    let mut g = OrtBlock::new(
+        tail,
+        spec.clone(),
+        BlockGraphKind::Step(StepKind::CrossEntropy { digit_class: false }),
+        true,
+        device,
+        threads,
+    )?;
+    let output = Some(adapter.output_lora());
+    let losses = train_sft(&mut g, data, &mut lora, output, sft, |_, loss| tick(loss))?;
+    let kl = match &parent_lora {
+        Some(p) => {
+            let (old, n) = mean_reply_logp(&mut g, data, p, output)?;
+            let (new, _) = mean_reply_logp(&mut g, data, &lora, output)?;
+            Some((old - new, old, new, n))
+        }
+        None => None,
+    };
+    adapter.block = Some(lora);
+    let mut metrics = serde_json::json!({
+        "algo": "sft-block",
+        "block": {"k": spec.k, "targets": spec.targets, "r": spec.r, "alpha": spec.alpha},
+        "sessions": data.len(),
+        "steps": sft.steps,
+        "first_loss": losses.first(),
+        "final_loss": losses.last(),
+    });
+    if let Some((approx_kl, old, new, n)) = kl {
+        metrics["approx_kl"] = approx_kl.into();
+        metrics["reply_logp_parent"] = old.into();
+        metrics["reply_logp"] = new.into();
+        metrics["reply_tokens"] = n.into();
+    }
+    if let (Some(m), serde_json::Value::Object(x)) = (metrics.as_object_mut(), extra) {
+        m.extend(x);
+    }
+    let id = crate::learn::candidate::write_candidate(store, db, parent, &adapter, &metrics)?;
+    Ok(BlockSftReport {
+        id,
+        losses,
+        kl,
+        metrics,
+    })
 }
 
 /// Supervised training settings.
