@@ -9,9 +9,10 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::demo::{report, wilson, Demo, DemoConfig, ProcessSignal, Progress};
 use turnwise::learn::annotate::{IgContext, IgPolicy};
-use turnwise::learn::{Algo, ProcessScale};
+use turnwise::learn::Algo;
 use turnwise::policy::{Engine, EngineCounters, OutputHead};
 
+use super::learn_args::{LearnArgs, OnOff};
 use super::ModelArgs;
 
 /// Options of `turnwise demo`.
@@ -19,6 +20,8 @@ use super::ModelArgs;
 pub struct DemoArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    learn: LearnArgs,
     /// RL preset after the warm start
     #[arg(long, value_enum, default_value_t = Algo::A2tgpo)]
     algo: Algo,
@@ -65,18 +68,9 @@ pub struct DemoArgs {
     /// Largest |approx KL| of an update that is activated
     #[arg(long)]
     gate_kl: Option<f64>,
-    /// RL learning rate
-    #[arg(long)]
-    lr: Option<f64>,
-    /// AdamW ε of the RL updates (default 1e-8)
-    #[arg(long)]
-    adam_eps: Option<f64>,
     /// k3 KL coefficient towards the warm-start adapter (default 0: off)
     #[arg(long)]
     kl_warm: Option<f64>,
-    /// RL epochs per update
-    #[arg(long)]
-    epochs: Option<usize>,
     /// Rollout temperature
     #[arg(long)]
     temperature: Option<f32>,
@@ -109,23 +103,6 @@ pub struct DemoArgs {
     /// bound only)
     #[arg(long)]
     val: Option<usize>,
-    /// Carry the learner's AdamW moments from update to update (saved with each adapter)
-    /// instead of starting a fresh optimizer at every update
-    #[arg(long, value_enum)]
-    keep_optimizer: Option<OnOff>,
-    /// Centre each group's outcomes without dividing by their std (Dr.GRPO; on by default: the
-    /// format term would otherwise make groups where every rollout failed look as informative
-    /// as groups with a success)
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
-    dr_grpo: OnOff,
-    /// A²TGPO / ATPO α, the weight of the process term [0.3, the released script's; the
-    /// paper's 1.0 lets the process signal outweigh the outcome]
-    #[arg(long)]
-    alpha: Option<f64>,
-    /// Whether the process signal is divided by its turn group's std: `as-outcome` follows
-    /// --dr-grpo (one switch for both terms, as the released code), `std` always, `centre` never
-    #[arg(long, value_enum, default_value_t = ProcessScale::AsOutcome)]
-    process_scale: ProcessScale,
     /// RL gives digit tokens (copied order ids) no policy gradient, so that the reward trains
     /// the decisions and leaves number copying as the warm start taught it [default: off;
     /// measured on seed 1: no candidate passed the validation gate; with the id slot, -34 points:
@@ -159,14 +136,6 @@ pub struct DemoArgs {
     /// my money back."); off: the id alone (the earlier world)
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     restate: OnOff,
-    /// Lower clip bound of the RL ratio, `1 − ε_low` [default: the preset's, a2tgpo/atpo/grpo
-    /// 0.2, gspo 3e-3]
-    #[arg(long)]
-    eps_low: Option<f64>,
-    /// Upper clip bound of the RL ratio, `1 + ε_high` [default: the preset's, a2tgpo/atpo/grpo
-    /// 0.28, gspo 4e-3]
-    #[arg(long)]
-    eps_high: Option<f64>,
     /// The validation gate replays with the active adapter only the scenarios where its greedy
     /// choices differed from the candidate's (checked token by token while the candidate
     /// plays); off: the active adapter plays every gate scenario itself
@@ -212,13 +181,6 @@ enum AdapterKind {
     Block,
 }
 
-/// A switch.
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum OnOff {
-    On,
-    Off,
-}
-
 impl DemoArgs {
     fn config(&self) -> DemoConfig {
         let mut c = if self.quick {
@@ -241,15 +203,6 @@ impl DemoArgs {
         if let Some(v) = self.warm_epochs {
             c.warm.epochs = v;
         }
-        if let Some(v) = self.lr {
-            c.rl.lr = v;
-        }
-        if let Some(v) = self.epochs {
-            c.rl.epochs = v;
-        }
-        if let Some(v) = self.adam_eps {
-            c.rl.adam_eps = v;
-        }
         if let Some(v) = self.kl_warm {
             c.rl.objective.kl_coef = v;
         }
@@ -257,14 +210,6 @@ impl DemoArgs {
             c.max_iterations = self.iterations;
         }
         c.experience = self.experience == OnOff::On;
-        if let Some(k) = self.keep_optimizer {
-            c.rl.keep_optimizer = k == OnOff::On;
-        }
-        c.rl.dr_grpo = self.dr_grpo == OnOff::On;
-        if let Some(a) = self.alpha {
-            c.rl.alpha = a;
-        }
-        c.rl.process_scale = self.process_scale;
         c.greedy_digits = self.greedy_digits == OnOff::On;
         c.id_slot = self.id_slot == OnOff::On;
         c.block_warm = self.block_warm;
@@ -285,12 +230,7 @@ impl DemoArgs {
         c.shadow_gate = self.shadow_gate == OnOff::On;
         c.ig_context = self.ig_context;
         c.ig_policy = self.ig_policy;
-        if let Some(v) = self.eps_low {
-            c.rl.objective.eps_low = v;
-        }
-        if let Some(v) = self.eps_high {
-            c.rl.objective.eps_high = v;
-        }
+        self.learn.apply(&mut c.rl);
         c.warm.sft_digit_class = self.warm_digits == WarmDigits::Class;
         if let Some(m) = self.mask_digits {
             c.rl.mask_digits = m == DigitMask::On;

@@ -11,6 +11,7 @@ mod demo;
 mod fetch;
 mod gc;
 mod import;
+mod learn_args;
 mod serve;
 mod sessions;
 mod train;

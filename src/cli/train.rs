@@ -14,12 +14,11 @@ use turnwise::graph::Device;
 use turnwise::learn::annotate::{
     annotate_sessions, AnnotateConfig, IgBaseline, IgContext, IgPolicy, IgSpace,
 };
-use turnwise::learn::objective::{Aggregation, ClipMode, Granularity};
-use turnwise::learn::{
-    gate, run_update, AdvantageMode, Algo, Backend, ProcessScale, Selection, TrainConfig,
-};
+use turnwise::learn::{gate, run_update, Algo, Backend, Selection, TrainConfig};
 use turnwise::policy::OutputHead;
 use turnwise::store::{Source, Store};
+
+use super::learn_args::LearnArgs;
 
 /// Which logged sessions a command reads, and the model they were logged with.
 #[derive(Args)]
@@ -48,45 +47,14 @@ pub struct TrainArgs {
     algo: Algo,
     #[command(flatten)]
     sel: SelectArgs,
-    /// Passes over the batch [preset: 2, sft 20]
-    #[arg(long)]
-    epochs: Option<usize>,
-    /// AdamW learning rate [preset: 1e-3, sft 5e-3]
-    #[arg(long)]
-    lr: Option<f64>,
+    #[command(flatten)]
+    learn: LearnArgs,
     /// Tokens per minibatch
     #[arg(long, default_value_t = 512)]
     minibatch_tokens: usize,
-    /// Ratio granularity [preset]
-    #[arg(long, value_enum)]
-    granularity: Option<Granularity>,
-    /// Clip mode [preset]
-    #[arg(long, value_enum)]
-    clip: Option<ClipMode>,
-    /// Lower clip width ε_low [preset]
-    #[arg(long)]
-    eps_low: Option<f64>,
-    /// Upper clip width ε_high [preset]
-    #[arg(long)]
-    eps_high: Option<f64>,
-    /// Loss aggregation [preset]
-    #[arg(long, value_enum)]
-    aggregation: Option<Aggregation>,
-    /// Advantage: outcome, a2tgpo, gigpo, windowed-gae [preset]
-    #[arg(long, value_enum)]
-    advantage: Option<AdvantageMode>,
-    /// Dr.GRPO: centre outcomes without dividing by their std
-    #[arg(long)]
-    dr_grpo: bool,
     /// DAPO: drop groups whose outcomes are all equal
     #[arg(long)]
     drop_uninformative: bool,
-    /// AdamW ε [1e-8]; larger values keep parameters with tiny gradients still
-    #[arg(long)]
-    adam_eps: Option<f64>,
-    /// Continue the parent adapter's AdamW moments (saved with each adapter this writes)
-    #[arg(long)]
-    keep_optimizer: bool,
     /// Truncated importance sampling cap C (off when unset; docs/algorithms.md uses 2)
     #[arg(long)]
     tis: Option<f64>,
@@ -112,13 +80,6 @@ pub struct TrainArgs {
     /// Reference adapter id of the KL term (default: the base policy, adapter off)
     #[arg(long)]
     kl_ref: Option<i64>,
-    /// A²TGPO α (weight of the process term) [0.3, the released script's; the paper's 1.0]
-    #[arg(long)]
-    alpha: Option<f64>,
-    /// Whether the process signal is divided by its turn group's std: `as-outcome` follows
-    /// --dr-grpo, `std` always, `centre` never [as-outcome]
-    #[arg(long, value_enum)]
-    process_scale: Option<ProcessScale>,
     /// Offline replay: run update N of this database again — the same sessions (the newest
     /// of its selection created before it ran), its recorded settings and parent adapter —
     /// with the settings given here changed, and print what it measured (advantage balance,
@@ -420,7 +381,7 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
         Some(_) => (BlockLora::fresh(&tail.hp, spec.clone(), 1), None),
     };
     let batch = 4usize;
-    let epochs = args.epochs.unwrap_or(20);
+    let epochs = args.learn.epochs.unwrap_or(20);
     let steps = epochs * data.len().div_ceil(batch);
     let pb = ProgressBar::new(steps as u64);
     pb.set_style(
@@ -441,7 +402,7 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
             sft: SftConfig {
                 steps,
                 batch,
-                lr: args.lr.unwrap_or(2e-3),
+                lr: args.learn.lr.unwrap_or(2e-3),
                 seed: 1,
             },
             device: args.device,
@@ -689,7 +650,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     store.set_policy_model(&assets::model_stamp_json(&model));
     let head = OutputHead::from_gguf(&model)?;
     let mut cfg = TrainConfig::preset(args.algo);
-    apply_given(&args, &mut cfg);
+    args.learn.apply(&mut cfg);
     cfg.objective.tis_cap = args.tis;
     cfg.objective.kl_coef = args.kl_coef;
     cfg.kl_ref_adapter = args.kl_ref;
@@ -698,12 +659,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     cfg.mask_digits = args.mask_digits;
     cfg.mask_negative_digits = args.mask_negative_digits;
     cfg.sft_digit_class = args.sft_digit_class;
-    cfg.dr_grpo = args.dr_grpo;
     cfg.drop_uninformative = args.drop_uninformative;
-    cfg.keep_optimizer = args.keep_optimizer;
-    if let Some(e) = args.adam_eps {
-        cfg.adam_eps = e;
-    }
     cfg.min_group_size = args.min_group_size;
     cfg.gigpo_omega = args.gigpo_omega;
     cfg.gigpo_similarity = args.gigpo_similarity;
@@ -907,40 +863,6 @@ pub fn adapters(args: AdaptersArgs, db: &Path) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The settings given on the command line that override a preset's (or a recorded update's).
-fn apply_given(args: &TrainArgs, cfg: &mut TrainConfig) {
-    if let Some(v) = args.epochs {
-        cfg.epochs = v;
-    }
-    if let Some(v) = args.lr {
-        cfg.lr = v;
-    }
-    if let Some(v) = args.granularity {
-        cfg.objective.granularity = v;
-    }
-    if let Some(v) = args.clip {
-        cfg.objective.clip = v;
-    }
-    if let Some(v) = args.eps_low {
-        cfg.objective.eps_low = v;
-    }
-    if let Some(v) = args.eps_high {
-        cfg.objective.eps_high = v;
-    }
-    if let Some(v) = args.aggregation {
-        cfg.objective.aggregation = v;
-    }
-    if let Some(v) = args.advantage {
-        cfg.advantage = v;
-    }
-    if let Some(v) = args.alpha {
-        cfg.alpha = v;
-    }
-    if let Some(v) = args.process_scale {
-        cfg.process_scale = v;
-    }
-}
-
 /// `turnwise train --replay N`: update N again on the sessions it saw, with its recorded
 /// settings except those given on the command line, in dry-run mode.
 fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Result<ExitCode> {
@@ -976,9 +898,7 @@ fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Result<ExitCo
             args.sel.limit
         },
     };
-    apply_given(args, &mut cfg);
-    cfg.keep_optimizer |= args.keep_optimizer;
-    cfg.dr_grpo |= args.dr_grpo;
+    args.learn.apply(&mut cfg);
     cfg.dry_run = true;
     let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
     let head = OutputHead::from_gguf(&model)?;
