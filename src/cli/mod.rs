@@ -1,5 +1,7 @@
 //! Command-line interface: one file per subcommand, each with a `run`.
 
+mod adapters;
+mod annotate;
 mod bench;
 mod bench_formats;
 mod bench_load;
@@ -70,9 +72,9 @@ enum Cmd {
     /// Run one update of the adapter over logged sessions (offline replay)
     Train(Box<train::TrainArgs>),
     /// Write step-level credit (value before/after, success contribution, information gain)
-    Annotate(train::AnnotateArgs),
+    Annotate(annotate::AnnotateArgs),
     /// List, show, activate or roll back adapter versions
-    Adapters(train::AdaptersArgs),
+    Adapters(adapters::AdaptersArgs),
     /// Serve an OpenAI-compatible API that logs every turn and learns in the background
     Serve(Box<serve::ServeArgs>),
     /// Measure prefill and decode speed: Turnwise's engine against plain llama.cpp
@@ -158,8 +160,8 @@ pub fn main() -> ExitCode {
         Cmd::Bench(a) => bench::run(a, cli.verbose),
         Cmd::Train(a) => train::run(*a, &db),
         Cmd::Serve(a) => serve::run(*a, &db, cli.verbose),
-        Cmd::Adapters(a) => train::adapters(a, &db),
-        Cmd::Annotate(a) => train::annotate(a, &db, cli.verbose),
+        Cmd::Adapters(a) => adapters::adapters(a, &db),
+        Cmd::Annotate(a) => annotate::annotate(a, &db, cli.verbose),
     };
     match result {
         Ok(code) => code,

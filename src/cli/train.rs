@@ -1,23 +1,21 @@
-//! `turnwise train`: one update over the logged sessions (offline replay), and
-//! `turnwise adapters`: list, show, activate, roll back.
+//! `turnwise train`: one update over the logged sessions (or `--replay N`, a recorded update again
+//! without writing anything), the gate and activation; `--algo sft --block-k K` fits a block LoRA.
 
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use clap::{Args, Subcommand};
+use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::adapter::Adapter;
 use turnwise::assets;
 use turnwise::graph::Device;
-use turnwise::learn::annotate::{
-    annotate_sessions, AnnotateConfig, IgBaseline, IgContext, IgPolicy, IgSpace,
-};
 use turnwise::learn::{gate, run_update, Algo, Backend, Selection, TrainConfig};
 use turnwise::policy::OutputHead;
 use turnwise::store::{Source, Store};
 
+use super::adapters::check_block_loads;
 use super::learn_args::LearnArgs;
 
 /// Which logged sessions a command reads, and the model they were logged with.
@@ -25,16 +23,16 @@ use super::learn_args::LearnArgs;
 pub struct SelectArgs {
     /// GGUF model the sessions were logged with [default: the default model]
     #[arg(long)]
-    model: Option<std::path::PathBuf>,
+    pub(super) model: Option<std::path::PathBuf>,
     /// Only sessions of this source (live, chat, import, demo)
     #[arg(long)]
-    source: Option<String>,
+    pub(super) source: Option<String>,
     /// Only sessions created at or after this time (ISO 8601, UTC)
     #[arg(long)]
-    since: Option<String>,
+    pub(super) since: Option<String>,
     /// At most this many (newest) sessions
     #[arg(long, default_value_t = 1000)]
-    limit: usize,
+    pub(super) limit: usize,
 }
 
 /// Options of `turnwise train`. Unset switches take the preset's value.
@@ -149,170 +147,11 @@ pub struct TrainArgs {
     block_targets: String,
 }
 
-/// Options of `turnwise annotate`.
-#[derive(Args)]
-pub struct AnnotateArgs {
-    #[command(flatten)]
-    sel: SelectArgs,
-    /// Information gain in log-prob space (default, released code) or probability space (paper)
-    #[arg(long, value_enum, default_value_t = IgSpace::Logprob)]
-    ig_space: IgSpace,
-    /// Baseline of the first turn's information gain
-    #[arg(long, value_enum, default_value_t = IgBaseline::Opening)]
-    ig_baseline: IgBaseline,
-    /// Where a turn's reference score is taken: after its reply and what came back
-    /// (observation) or right after the reply
-    #[arg(long, value_enum, default_value_t = IgContext::Observation)]
-    ig_context: IgContext,
-    /// Which policy scores information gain: the base model (frozen) or the active adapter
-    /// (sampling)
-    #[arg(long, value_enum, default_value_t = IgPolicy::Frozen)]
-    ig_policy: IgPolicy,
-    /// Skip information gain (no model is loaded)
-    #[arg(long)]
-    no_ig: bool,
-    /// First fit the value head on finished sessions (every fifth held out for its Brier score
-    /// and AUC) and save it as a new candidate adapter version
-    #[arg(long)]
-    fit_value: bool,
-    /// Full-batch Adam steps of `--fit-value`
-    #[arg(long, default_value_t = 200)]
-    value_steps: usize,
-}
-
-/// Writes step-level credit for the selected sessions.
-///
-/// # Errors
-/// Store, model and engine errors.
-pub fn annotate(args: AnnotateArgs, db: &Path, verbose: bool) -> anyhow::Result<ExitCode> {
-    let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
-    let sessions = store.training_sessions(
-        parse_source(args.sel.source.as_deref())?,
-        args.sel.since.as_deref(),
-        false,
-        args.sel.limit,
-    )?;
-    let active = active_adapter(&store)?;
-    let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
-    store.set_policy_model(&assets::model_stamp_json(&model));
-    let head = OutputHead::from_gguf(&model)?;
-    let fresh = Adapter::fresh(head.n_embd(), head.n_vocab(), 8, 16.0, 0, "");
-    let (mut vid, mut value) = match &active {
-        Some((id, a)) => (Some(*id), a.as_ref().clone()),
-        None => (None, fresh),
-    };
-    let ids: Vec<i64> = sessions.iter().map(|s| s.id).collect();
-    if args.fit_value {
-        let fit = turnwise::learn::annotate::fit_value_head(
-            &store,
-            &ids,
-            &mut value,
-            args.value_steps,
-            1e-2,
-        )?;
-        let metrics = serde_json::to_value(&fit)?;
-        let id = save_candidate(&mut store, db, vid, &value, &metrics)?;
-        store.record_update(
-            Some(id),
-            "value",
-            &serde_json::json!({"steps": args.value_steps}),
-            &metrics,
-            turnwise::store::UpdateStatus::Ok,
-        )?;
-        println!(
-            "value head fitted into candidate adapter {id}: {}",
-            serde_json::to_string(&fit)?
-        );
-        vid = Some(id);
-    }
-    let needs_ig = !args.no_ig && sessions.iter().any(|s| s.reference.is_some());
-    let mut scorer = None;
-    let engine = if needs_ig {
-        let mut c = turnwise::EngineConfig::new(model);
-        c.verbose = verbose;
-        let e = turnwise::Engine::start(c)?;
-        if args.ig_policy == IgPolicy::Sampling {
-            let active = active_adapter(&store)?;
-            scorer = active.as_ref().map(|a| a.0);
-            e.set_adapter(active)?;
-        }
-        Some(e)
-    } else {
-        None
-    };
-    let cfg = AnnotateConfig {
-        ig_space: args.ig_space,
-        ig_baseline: args.ig_baseline,
-        ig_context: args.ig_context,
-        ig_policy: args.ig_policy,
-        ig_scorer: scorer,
-    };
-    let sum = annotate_sessions(&mut store, &ids, &value, vid, engine.as_ref(), &cfg)?;
-    println!(
-        "annotated {} sessions: {} assistant turns with success contribution, {} with information gain",
-        sum.sessions, sum.turns, sum.info_gain_turns
-    );
-    Ok(ExitCode::SUCCESS)
-}
-
-/// Options of `turnwise adapters`.
-#[derive(Args)]
-pub struct AdaptersArgs {
-    #[command(subcommand)]
-    cmd: AdaptersCmd,
-}
-
-#[derive(Subcommand)]
-enum AdaptersCmd {
-    /// All adapter versions
-    List,
-    /// One adapter's record and metrics
-    Show {
-        /// adapter id
-        id: i64,
-    },
-    /// Make an adapter the one the policy samples with (checked against the model first)
-    Activate {
-        /// adapter id
-        id: i64,
-        /// GGUF model it must fit [default: the default model]
-        #[arg(long)]
-        model: Option<std::path::PathBuf>,
-    },
-    /// Return to the adapter active before the current one (or the base model)
-    Rollback,
-    /// Import a block LoRA trained elsewhere: a PEFT directory (`adapter_config.json` +
-    /// `adapter_model.safetensors`, e.g. from TRL or verl) or a GGUF LoRA file. It becomes a
-    /// candidate version (output LoRA and value head fresh); activate it to serve it
-    Import {
-        /// PEFT directory or `.gguf` file
-        path: std::path::PathBuf,
-        /// GGUF model it must fit [default: the default model]
-        #[arg(long)]
-        model: Option<std::path::PathBuf>,
-    },
-    /// Write an adapter's LoRA for other tools: `gguf` (llama.cpp, Ollama; block LoRA only) or
-    /// `peft` (Hugging Face names, for PEFT / TRL / vLLM)
-    Export {
-        /// adapter id
-        id: i64,
-        /// gguf or peft
-        #[arg(long, default_value = "peft")]
-        format: String,
-        /// output directory (created)
-        #[arg(long)]
-        out: std::path::PathBuf,
-        /// GGUF model the adapter belongs to [default: the default model]
-        #[arg(long)]
-        model: Option<std::path::PathBuf>,
-    },
-}
-
 /// Supervised training of a block LoRA on logged sessions: teacher-forced cross-entropy on every
 /// assistant token, from the block inputs logged with `--block-capture K`. The candidate keeps
 /// its parent's output LoRA and value head; the block LoRA is trained (and the gate's KL
 /// measured) with that output LoRA on top, as the engine serves them.
-fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
+pub(super) fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     use turnwise::adapter::block::BlockLora;
     use turnwise::graph::block::BlockSpec;
     use turnwise::learn::block::{fit_block_sft, logged_sessions, BlockSft, SftConfig};
@@ -467,7 +306,7 @@ fn run_block_sft(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
 }
 
 /// The `--block-targets` list.
-fn block_targets(list: &str) -> anyhow::Result<Vec<String>> {
+pub(super) fn block_targets(list: &str) -> anyhow::Result<Vec<String>> {
     let targets: Vec<String> = list.split(',').map(|t| t.trim().to_string()).collect();
     if let Some(t) = targets
         .iter()
@@ -478,74 +317,9 @@ fn block_targets(list: &str) -> anyhow::Result<Vec<String>> {
     Ok(targets)
 }
 
-/// Loads `block` into llama.cpp for `model` (its own loader checks architecture and shapes).
-fn check_block_loads(
-    model: &Path,
-    block: &turnwise::adapter::block::BlockLora,
-) -> anyhow::Result<()> {
-    use turnwise::policy::llama;
-    llama::init_backend(false);
-    let m = llama::Model::load(model, 0)?;
-    let tmp = tempfile_path("check");
-    std::fs::write(&tmp, block.to_gguf())?;
-    let r = llama::LoraAdapter::load(&m, &tmp);
-    let _ = std::fs::remove_file(&tmp);
-    r.map(drop)
-        .with_context(|| format!("llama.cpp refuses the block LoRA for {}", model.display()))
-}
-
-fn tempfile_path(what: &str) -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("turnwise-{what}-{}.gguf", std::process::id()))
-}
-
-fn import_block(store: &mut Store, db: &Path, path: &Path, model: &Path) -> anyhow::Result<i64> {
-    use turnwise::adapter::block::BlockLora;
-    use turnwise::policy::blocks::Hparams;
-    use turnwise::policy::gguf::GgufIndex;
-    let hp = Hparams::from_index(&GgufIndex::open(model)?)?;
-    let block = if path.is_dir() {
-        BlockLora::from_peft(path, &hp)?
-    } else {
-        let b = BlockLora::from_gguf(path)?;
-        if b.arch != hp.arch {
-            anyhow::bail!(
-                "{} is a LoRA for `{}`, the model is `{}`",
-                path.display(),
-                b.arch,
-                hp.arch
-            );
-        }
-        b
-    };
-    check_block_loads(model, &block)?;
-    let head = OutputHead::from_gguf(model)?;
-    let mut adapter = Adapter::fresh(
-        head.n_embd(),
-        head.n_vocab(),
-        8,
-        16.0,
-        0,
-        &model
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-    );
-    let summary = serde_json::json!({
-        "imported": path.display().to_string(),
-        "block": {
-            "layers": block.layers,
-            "targets": block.spec.targets,
-            "r": block.spec.r,
-            "alpha": block.spec.alpha,
-        },
-    });
-    adapter.block = Some(block);
-    save_candidate(store, db, None, &adapter, &summary)
-}
-
 /// Registers a new adapter version, writes it atomically and marks it a candidate (rejected,
 /// with the error, when the write fails): `learn::candidate::write_candidate`.
-fn save_candidate(
+pub(super) fn save_candidate(
     store: &mut Store,
     db: &Path,
     parent: Option<i64>,
@@ -555,57 +329,6 @@ fn save_candidate(
     Ok(turnwise::learn::candidate::write_candidate(
         store, db, parent, adapter, metrics,
     )?)
-}
-
-fn export_adapter(
-    store: &Store,
-    id: i64,
-    format: &str,
-    out: &Path,
-    model: &Path,
-) -> anyhow::Result<Vec<std::path::PathBuf>> {
-    use turnwise::policy::blocks::Hparams;
-    use turnwise::policy::gguf::GgufIndex;
-    let rec = store.adapter(id)?;
-    let a = Adapter::load(Path::new(&rec.path))
-        .with_context(|| format!("adapter {id} is not loadable"))?;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut written = Vec::new();
-    match format {
-        "gguf" => {
-            let b = a.block.as_ref().ok_or_else(|| {
-                anyhow::anyhow!(
-                    "adapter {id} has no block LoRA: its LoRA is on the output projection, which \
-                     llama.cpp cannot load for models that tie it to the token embeddings \
-                     (SmolLM2); export it with --format peft"
-                )
-            })?;
-            let p = out.join("adapter.gguf");
-            std::fs::write(&p, b.to_gguf())?;
-            written.push(p);
-        }
-        "peft" => {
-            let p = out.join(turnwise::adapter::WEIGHTS_FILE);
-            let c = out.join(turnwise::adapter::CONFIG_FILE);
-            match &a.block {
-                Some(b) => {
-                    let hp = Hparams::from_index(&GgufIndex::open(model)?)?;
-                    let (st, cfg) = b.to_peft(&hp, &a.config.base_model_name_or_path)?;
-                    std::fs::write(&p, st)?;
-                    std::fs::write(&c, cfg)?;
-                }
-                None => {
-                    let (st, cfg) = a.to_peft()?;
-                    std::fs::write(&p, st)?;
-                    std::fs::write(&c, cfg)?;
-                }
-            }
-            written.push(p);
-            written.push(c);
-        }
-        other => anyhow::bail!("unknown format {other:?} (gguf, peft)"),
-    }
-    Ok(written)
 }
 
 pub(crate) fn parse_source(s: Option<&str>) -> anyhow::Result<Option<Source>> {
@@ -735,7 +458,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
 /// check — and activation when it passes (or with `--force`). Exit code 3 when the candidate
 /// stays inactive; without `--activate` the candidate stays a candidate (success).
 #[allow(clippy::too_many_arguments)]
-fn gate_and_activate(
+pub(super) fn gate_and_activate(
     store: &mut Store,
     db: &Path,
     id: i64,
@@ -784,7 +507,7 @@ fn gate_and_activate(
 
 /// Activates `id` after checking it against the model's output head (`learn::gate::activate`;
 /// nothing is served in this process, so there is nothing to restore when the write fails).
-fn activate_checked(
+pub(super) fn activate_checked(
     store: &mut Store,
     id: i64,
     head: &OutputHead,
@@ -806,66 +529,9 @@ fn activate_checked(
     Ok(())
 }
 
-/// Lists, shows, activates or rolls back adapters.
-///
-/// # Errors
-/// Store errors; activating an adapter that is not fully written.
-pub fn adapters(args: AdaptersArgs, db: &Path) -> anyhow::Result<ExitCode> {
-    let mut store = Store::open(db)?;
-    match args.cmd {
-        AdaptersCmd::List => {
-            for a in store.adapters()? {
-                println!(
-                    "{:>5}  {:<9}  parent {:>5}  {}  {}",
-                    a.id,
-                    a.status,
-                    a.parent_id
-                        .map(|p| p.to_string())
-                        .unwrap_or_else(|| "-".into()),
-                    &a.created_at[..19.min(a.created_at.len())],
-                    a.path
-                );
-            }
-        }
-        AdaptersCmd::Show { id } => {
-            println!("{}", serde_json::to_string_pretty(&store.adapter(id)?)?)
-        }
-        AdaptersCmd::Activate { id, model } => {
-            let model = assets::resolve_model(model.as_deref(), false)?;
-            let head = OutputHead::from_gguf(&model)?;
-            activate_checked(&mut store, id, &head, &model)?;
-            println!("adapter {id} is active");
-        }
-        AdaptersCmd::Rollback => match store.rollback_adapter()? {
-            Some(id) => println!("adapter {id} is active again"),
-            None => println!("no adapter is active: the base model samples"),
-        },
-        AdaptersCmd::Import { path, model } => {
-            let model = assets::resolve_model(model.as_deref(), false)?;
-            let id = import_block(&mut store, db, &path, &model)?;
-            println!(
-                "imported {} as adapter {id} (candidate); serve it with `turnwise adapters activate {id}`",
-                path.display()
-            );
-        }
-        AdaptersCmd::Export {
-            id,
-            format,
-            out,
-            model,
-        } => {
-            let model = assets::resolve_model(model.as_deref(), false)?;
-            for p in export_adapter(&store, id, &format, &out, &model)? {
-                println!("{}", p.display());
-            }
-        }
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
 /// `turnwise train --replay N`: update N again on the sessions it saw, with its recorded
 /// settings except those given on the command line, in dry-run mode.
-fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Result<ExitCode> {
+pub(super) fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Result<ExitCode> {
     let mut store = Store::open(db).with_context(|| format!("opening {}", db.display()))?;
     let rec = store
         .update_record(update)
