@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use turnwise::learn::Algo;
 use turnwise::server::{self, AppState, ServerConfig};
 
 use super::bench::BenchArgs;
@@ -245,19 +244,12 @@ fn measure(args: &BenchArgs, dir: &Path, verbose: bool) -> anyhow::Result<ExitCo
     let info = engine.info().clone();
     let cfg = ServerConfig {
         db: dir.join("bench.db"),
-        api_key: None,
-        max_body: 1 << 20,
         max_tokens_limit: 4096,
         queue: 256,
         learn_every_sessions: None,
         learn_every_minutes: 1e9,
-        learn_algo: Algo::A2tgpo,
-        train_threads: 1,
         gate_kl: 0.0,
         max_live_sessions: 4096,
-        session_idle: Duration::from_secs(1800),
-        body_timeout: Duration::from_secs(30),
-        learn_nice: 19,
         ..ServerConfig::default()
     };
     let state = AppState::new(engine.clone(), cfg)?;

@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
-use turnwise::learn::Algo;
 use turnwise::policy::OutputHead;
 use turnwise::server::{self, AppState, ServerConfig};
 
@@ -132,18 +131,12 @@ fn measure(args: &BenchArgs, dir: &std::path::Path, verbose: bool) -> anyhow::Re
     let threads = engine.info().n_threads;
     let cfg = ServerConfig {
         db: dir.join("bench.db"),
-        api_key: None,
-        max_body: 1 << 20,
         max_tokens_limit: 4096,
         queue: 64,
         learn_every_sessions: None,
         learn_every_minutes: 1e9,
-        learn_algo: Algo::A2tgpo,
         train_threads: args.serve_train_threads,
         gate_kl: 0.0,
-        max_live_sessions: 1024,
-        session_idle: Duration::from_secs(1800),
-        body_timeout: Duration::from_secs(30),
         learn_nice: args.learn_nice,
         ..ServerConfig::default()
     };

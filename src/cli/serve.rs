@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use clap::Args;
 use turnwise::learn::Algo;
 use turnwise::policy::OutputHead;
-use turnwise::server::{self, AppState, ServerConfig};
+use turnwise::server::{self, defaults, AppState, ServerConfig};
 
 use super::ModelArgs;
 
@@ -27,44 +27,44 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNWISE_API_KEY")]
     api_key: Option<String>,
     /// Generations admitted at once (beyond: 429 with Retry-After)
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = defaults::QUEUE)]
     queue: usize,
     /// Largest request body in bytes
-    #[arg(long, default_value_t = 1 << 20)]
+    #[arg(long, default_value_t = defaults::MAX_BODY)]
     max_body: usize,
     /// Largest max_tokens a request may ask for
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = defaults::MAX_TOKENS)]
     max_tokens_limit: usize,
     /// Do not learn in the background
     #[arg(long)]
     no_learn: bool,
     /// Run an update after this many ended sessions with feedback
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = defaults::LEARN_EVERY)]
     learn_every: usize,
     /// … or after this many minutes when new sessions ended
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = defaults::LEARN_MINUTES)]
     learn_minutes: f64,
     /// An update learns from at most this many of the newest finished live sessions
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = defaults::LEARN_SESSIONS)]
     learn_sessions: usize,
     /// Preset of the background updates
     #[arg(long, value_enum, default_value_t = Algo::A2tgpo)]
     algo: Algo,
     /// Threads of the learner's step (keeps training from starving serving)
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = defaults::TRAIN_THREADS)]
     train_threads: usize,
     /// Promotion gate: largest approximate KL of a candidate to its parent
     #[arg(long, default_value_t = turnwise::learn::gate::DEFAULT_KL_BOUND)]
     gate_kl: f64,
     /// Most conversations held in memory; the least recently used beyond it is dropped from
     /// memory (its log stays, and a later request with its session id restores it)
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = defaults::MAX_LIVE_SESSIONS)]
     max_live_sessions: usize,
     /// Minutes after which an idle conversation is dropped from memory (as above)
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = defaults::SESSION_IDLE_MINUTES)]
     session_idle_minutes: f64,
     /// Seconds a client may take to send a request body
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = defaults::BODY_TIMEOUT_S)]
     body_timeout_s: u64,
     /// Seconds a client may take to send a request's headers
     #[arg(long, default_value_t = 10)]
@@ -77,7 +77,7 @@ pub struct ServeArgs {
     #[arg(long)]
     max_connections_per_peer: Option<usize>,
     /// Nice value of the background learner (0–19; higher leaves more CPU to serving)
-    #[arg(long, default_value_t = 19)]
+    #[arg(long, default_value_t = defaults::LEARN_NICE)]
     learn_nice: i32,
     /// Let web pages of this origin (`scheme://host[:port]`, repeatable) call the API; requests
     /// carrying any other `Origin` header are refused

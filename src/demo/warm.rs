@@ -91,7 +91,7 @@ impl Demo<'_> {
         let mut ctx = Context::new(
             &model,
             ContextParams {
-                n_ctx: 2048,
+                n_ctx: crate::config::DEFAULT_CTX,
                 n_batch: 512,
                 n_threads: self.cfg.warm.threads as i32,
                 capture_hidden: false,

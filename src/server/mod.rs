@@ -97,6 +97,33 @@ pub struct ServerConfig {
     pub reward_range: (f64, f64),
 }
 
+/// The defaults of `turnwise serve`, in one place: [`ServerConfig::default`] and the
+/// command's flags read them.
+pub mod defaults {
+    /// generations admitted at once
+    pub const QUEUE: usize = 8;
+    /// largest request body in bytes
+    pub const MAX_BODY: usize = 1 << 20;
+    /// largest `max_tokens` a request may ask for
+    pub const MAX_TOKENS: usize = 512;
+    /// ended sessions with feedback between background updates
+    pub const LEARN_EVERY: usize = 20;
+    /// minutes between background updates when new sessions ended
+    pub const LEARN_MINUTES: f64 = 30.0;
+    /// newest finished live sessions an update learns from
+    pub const LEARN_SESSIONS: usize = 200;
+    /// threads of the learner's step
+    pub const TRAIN_THREADS: usize = 1;
+    /// conversations held in memory
+    pub const MAX_LIVE_SESSIONS: usize = 1024;
+    /// minutes after which an idle conversation leaves memory
+    pub const SESSION_IDLE_MINUTES: f64 = 30.0;
+    /// seconds a client may take to send a request body
+    pub const BODY_TIMEOUT_S: u64 = 30;
+    /// nice value of the background learner
+    pub const LEARN_NICE: i32 = 19;
+}
+
 impl Default for ServerConfig {
     /// The defaults `turnwise serve` runs with (database `turnwise.db` in the working
     /// directory).
@@ -104,19 +131,19 @@ impl Default for ServerConfig {
         ServerConfig {
             db: PathBuf::from("turnwise.db"),
             api_key: None,
-            max_body: 1 << 20,
-            max_tokens_limit: 512,
-            queue: 8,
-            learn_every_sessions: Some(20),
-            learn_every_minutes: 30.0,
-            learn_sessions: 200,
+            max_body: defaults::MAX_BODY,
+            max_tokens_limit: defaults::MAX_TOKENS,
+            queue: defaults::QUEUE,
+            learn_every_sessions: Some(defaults::LEARN_EVERY),
+            learn_every_minutes: defaults::LEARN_MINUTES,
+            learn_sessions: defaults::LEARN_SESSIONS,
             learn_algo: Algo::A2tgpo,
-            train_threads: 1,
+            train_threads: defaults::TRAIN_THREADS,
             gate_kl: crate::learn::gate::DEFAULT_KL_BOUND,
-            max_live_sessions: 1024,
-            session_idle: Duration::from_secs(30 * 60),
-            body_timeout: Duration::from_secs(30),
-            learn_nice: 19,
+            max_live_sessions: defaults::MAX_LIVE_SESSIONS,
+            session_idle: Duration::from_secs_f64(defaults::SESSION_IDLE_MINUTES * 60.0),
+            body_timeout: Duration::from_secs(defaults::BODY_TIMEOUT_S),
+            learn_nice: defaults::LEARN_NICE,
             loopback_only: true,
             allow_origins: Vec::new(),
             reward_range: DEFAULT_REWARD_RANGE,

@@ -76,9 +76,9 @@ impl EngineConfig {
     pub fn new(model: impl Into<PathBuf>) -> Self {
         EngineConfig {
             model: model.into(),
-            n_ctx: 2048,
+            n_ctx: crate::config::DEFAULT_CTX,
             n_batch: 512,
-            n_threads: 2,
+            n_threads: crate::config::DEFAULT_THREADS,
             template: None,
             capture_hidden: true,
             block_k: None,
