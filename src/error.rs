@@ -106,6 +106,31 @@ pub enum Error {
     #[error("corrupt record: {0}")]
     Corrupt(String),
 
+    // ---- learning -----------------------------------------------------------------------
+    /// The selection holds nothing an update can learn from (no usable sessions, or every
+    /// group's outcomes equal under the DAPO filter); nothing was written.
+    #[error("nothing to learn: {0}")]
+    NothingToLearn(String),
+    /// An update was rejected because its loss, gradient or result was not finite; the active
+    /// adapter is unchanged and, unless it was a dry run, an `updates` row says why.
+    #[error("update rejected: {reason}")]
+    UpdateRejected {
+        /// the `updates` row that records the rejection (None: a dry run, or not recorded)
+        update: Option<i64>,
+        /// what was not finite, and where
+        reason: String,
+    },
+
+    /// An adapter version that cannot be served: not fully written, rejected, not loadable,
+    /// not finite, or not of the model's shapes. The active adapter is unchanged.
+    #[error("adapter {id} cannot be activated: {reason}")]
+    NotActivatable {
+        /// the adapter version
+        id: i64,
+        /// why
+        reason: String,
+    },
+
     // ---- input --------------------------------------------------------------------------
     /// User input that cannot be accepted.
     #[error("invalid input: {0}")]

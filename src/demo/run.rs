@@ -259,7 +259,10 @@ impl<'a> Demo<'a> {
                     }
                 }
             }
-            Err(Error::Invalid(m)) => note = Some(m),
+            // an iteration that cannot learn (every group equal) or whose update is rejected
+            // is a result of the run, not a failure of it
+            Err(Error::NothingToLearn(m)) => note = Some(m),
+            Err(Error::UpdateRejected { reason, .. }) => note = Some(reason),
             Err(e) => return Err(e),
         }
         let experience = match self.library.as_mut() {

@@ -70,7 +70,7 @@ pub(super) fn select(
         } else {
             "no finished sessions with features (and an outcome, for RL) match the selection".into()
         };
-        return Err(Error::Invalid(what));
+        return Err(Error::NothingToLearn(what));
     }
     // ---- groups: live sessions without a key are clustered by their opening state ------------
     let mut sessions = sessions;

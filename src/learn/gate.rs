@@ -269,8 +269,9 @@ pub fn regate_unjudged(
 /// Returns the loaded adapter.
 ///
 /// # Errors
-/// An unknown id, an adapter that is not fully written, not loadable, not finite or refused by
-/// `serve`; store errors (after `restore`).
+/// [`Error::NotFound`] for an unknown id; [`Error::NotActivatable`] for an adapter that is not
+/// fully written, rejected, not loadable, not finite or refused by `serve`; store errors (after
+/// `restore`).
 pub fn activate(
     store: &mut Store,
     id: i64,
@@ -278,29 +279,27 @@ pub fn activate(
     restore: impl FnOnce() -> Result<()>,
 ) -> Result<Arc<Adapter>> {
     let rec = store.adapter(id)?;
+    let refused = |reason: String| Error::NotActivatable { id, reason };
     match rec.status {
         AdapterStatus::Writing => {
-            return Err(Error::Invalid(format!(
-                "adapter {id} is still being written (or a crash interrupted it)"
-            )))
+            return Err(refused(
+                "it is still being written (or a crash interrupted it)".into(),
+            ))
         }
         AdapterStatus::Rejected => {
-            return Err(Error::Invalid(format!(
-            "adapter {id} was rejected (see `turnwise adapters show {id}`); it cannot be activated"
-        )))
+            return Err(refused(format!(
+                "it was rejected (see `turnwise adapters show {id}`)"
+            )))
         }
         AdapterStatus::Candidate | AdapterStatus::Active | AdapterStatus::Retired => {}
     }
     let adapter = Adapter::load(Path::new(&rec.path))
-        .map_err(|e| Error::Invalid(format!("adapter {id} is not loadable: {e}")))?;
+        .map_err(|e| refused(format!("it is not loadable: {e}")))?;
     if !adapter.is_finite() {
-        return Err(Error::Invalid(format!(
-            "adapter {id} holds non-finite weights"
-        )));
+        return Err(refused("it holds non-finite weights".into()));
     }
     let adapter = Arc::new(adapter);
-    serve(adapter.clone())
-        .map_err(|e| Error::Invalid(format!("adapter {id} does not fit the model: {e}")))?;
+    serve(adapter.clone()).map_err(|e| refused(format!("it does not fit the model: {e}")))?;
     if let Err(e) = store.activate_adapter(id) {
         restore()?;
         return Err(e);

@@ -89,9 +89,10 @@ fn log_softmax_at(z: &Array2<f32>, tokens: &[usize]) -> Vec<f64> {
 /// fresh one), and writes a candidate adapter next to the database.
 ///
 /// # Errors
-/// [`Error::Invalid`] when nothing can be learned from the selection or the update is not
-/// finite (then an `updates` row with status `rejected` records why, and no adapter is
-/// written); store and I/O errors.
+/// [`Error::NothingToLearn`] when nothing can be learned from the selection;
+/// [`Error::UpdateRejected`] when the update is not finite (then an `updates` row with status
+/// `rejected` records why, and no adapter is written); [`Error::Invalid`] for settings that do
+/// not fit the parent or the sessions; store and I/O errors.
 pub fn run_update(
     store: &mut Store,
     db_path: &Path,
@@ -231,8 +232,8 @@ pub fn run_update(
     let order_kept: Vec<usize> = (0..sessions.len()).filter(|&i| keep[i]).collect();
     let mut order = order_kept.clone();
     if order.is_empty() {
-        return Err(Error::Invalid(
-            "every group has equal outcomes: nothing to learn (DAPO filter)".into(),
+        return Err(Error::NothingToLearn(
+            "every group has equal outcomes (DAPO filter)".into(),
         ));
     }
     let mut minibatches: Vec<Minibatch> = Vec::new();
@@ -514,9 +515,12 @@ pub fn run_update(
                 .sum::<f64>()
                 .sqrt();
             if (!loss.is_finite() || !norm.is_finite() || !vloss.is_finite()) && cfg.dry_run {
-                return Err(Error::Invalid(format!(
-                    "non-finite loss or gradient at step {step} (dry run: nothing recorded)"
-                )));
+                return Err(Error::UpdateRejected {
+                    update: None,
+                    reason: format!(
+                        "non-finite loss or gradient at step {step} (dry run: nothing recorded)"
+                    ),
+                });
             }
             if !loss.is_finite() || !norm.is_finite() || !vloss.is_finite() {
                 let diag = json!({"rejected": "non-finite loss or gradient", "step": step, "loss": loss.to_string(), "grad_norm": norm.to_string()});
@@ -527,7 +531,13 @@ pub fn run_update(
                     &diag,
                     UpdateStatus::Rejected,
                 )?;
-                return Err(Error::Invalid(format!("update {id} rejected: non-finite loss or gradient at step {step}; the active adapter is unchanged")));
+                return Err(Error::UpdateRejected {
+                    update: Some(id),
+                    reason: format!(
+                        "update {id}: non-finite loss or gradient at step {step}; the active \
+                         adapter is unchanged"
+                    ),
+                });
             }
             let clip = if norm > cfg.max_grad_norm {
                 (cfg.max_grad_norm / norm) as f32
@@ -578,9 +588,10 @@ pub fn run_update(
         }
     }
     if !current.is_finite() {
-        return Err(Error::Invalid(
-            "the updated adapter is not finite; rejected".into(),
-        ));
+        return Err(Error::UpdateRejected {
+            update: None,
+            reason: "the updated adapter is not finite".into(),
+        });
     }
 
     // ---- diagnostics after the update ----------------------------------------------------------

@@ -183,9 +183,10 @@ impl ApiError {
 impl From<Error> for ApiError {
     fn from(e: Error) -> Self {
         match e {
-            Error::ContextOverflow { .. } | Error::Invalid(_) | Error::Template(_) => {
-                Self::bad(e.to_string())
-            }
+            Error::ContextOverflow { .. }
+            | Error::Invalid(_)
+            | Error::Template(_)
+            | Error::NotActivatable { .. } => Self::bad(e.to_string()),
             Error::NotFound(_) => {
                 Self::new(StatusCode::NOT_FOUND, "not_found_error", e.to_string())
             }
