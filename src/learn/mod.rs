@@ -7,13 +7,15 @@
 //!    time, and their groups (small groups merged into a fallback group);
 //! 2. **credit** — outcome normalisation per group, the process signal per turn group and the
 //!    advantage estimator; the one writer of the value head's credit annotations;
-//! 3. **step** — minibatches of base logits and features, then AdamW steps of the clipped
-//!    surrogate; one `StepBackend` trait over ONNX Runtime and the ndarray reference
-//!    ([`objective`], `graph::step`);
-//! 4. **diagnostics** — one typed [`Diagnostics`] record;
-//! 5. **candidate** — the adapter written atomically, then status, update row, advantages and
+//! 3. **minibatches** (`minibatch.rs`) — base logits tempered and restricted to each token's
+//!    sampling support, old and reference log-probs from the step's own backend;
+//! 4. **step** — AdamW steps of the clipped surrogate (`update.rs`'s `train_steps`); one
+//!    `StepBackend` trait over ONNX Runtime and the ndarray reference ([`objective`],
+//!    `graph::step`);
+//! 5. **diagnostics** — one typed [`Diagnostics`] record;
+//! 6. **candidate** — the adapter written atomically, then status, update row, advantages and
 //!    learned stamps committed in one transaction (`Store::commit_candidate`);
-//! 6. **gate** and **activate** ([`gate`]) — the checks a candidate passes and the one function
+//! 7. **gate** and **activate** ([`gate`]) — the checks a candidate passes and the one function
 //!    that makes an adapter active.
 //!
 //! Alongside: [`advantages`] (pure advantage functions with hand-computed tests), [`annotate`]
@@ -30,6 +32,7 @@ mod credit;
 pub mod diagnostics;
 pub mod gate;
 pub mod groups;
+mod minibatch;
 pub mod objective;
 mod optim;
 mod step;

@@ -345,7 +345,7 @@ pub(super) struct Minibatch {
     /// with `digit_class`: per vocabulary entry, whether it is a digit token
     pub(super) digit_vocab: Option<std::sync::Arc<Vec<bool>>>,
     /// a block-LoRA update: the sessions' block inputs; `base` then holds only the sampler's
-    /// support (0 or [`super::update::EXCLUDED`] per vocabulary entry)
+    /// support (0 or [`super::minibatch::EXCLUDED`] per vocabulary entry)
     pub(super) block: Option<BlockBatch>,
 }
 

@@ -11,26 +11,19 @@ use ndarray::{Array1, Array2, Axis};
 use serde::Serialize;
 use serde_json::json;
 
-use super::batch::{self, Batch};
+use super::batch::{self, Batch, SessionData};
 use super::config::{Algo, Selection, TrainConfig};
 use super::credit::{self, Credit};
 use super::diagnostics::{Diagnostics, TrustRegion};
-use super::objective::{lora_loss_and_grad, surrogate, TokenBatch};
+use super::minibatch::{log_softmax_at, score_minibatches, ScoreInputs, Scored};
+use super::objective::{lora_loss_and_grad, surrogate, SurrogateStats};
 use super::optim::{load_optimizer, optimizer_blob, AdamW, OPTIMIZER_FILE};
-use super::step::{self, Lora, Minibatch};
+use super::step::{self, Lora, Minibatch, StepBackend};
 use crate::adapter::Adapter;
 use crate::error::{Error, Result};
 use crate::policy::blocks::TailModel;
-use crate::policy::sampler::Support;
 use crate::policy::OutputHead;
 use crate::store::{AdapterStatus, CandidateCommit, Store, UpdateStatus};
-
-/// Whether an RL token with turn advantage `adv` gets policy gradient under the digit masks
-/// (`is_digit` is asked only when a mask applies).
-fn token_learns(cfg: &TrainConfig, adv: f64, is_digit: impl FnOnce() -> bool) -> bool {
-    let masked = cfg.mask_digits || (cfg.mask_negative_digits && adv <= 0.0);
-    !masked || !is_digit()
-}
 
 /// The result of an update.
 #[derive(Debug, Clone, Serialize)]
@@ -42,10 +35,6 @@ pub struct UpdateReport {
     /// what the update measured
     pub diagnostics: Diagnostics,
 }
-
-/// A logit value no token of a support can lose to: `exp` of it is 0 in f32, and `0 · it` is 0
-/// (an infinity would make the entropy term NaN).
-pub(super) const EXCLUDED: f32 = -1e9;
 
 /// The policy an adapter is: its output LoRA and its block LoRA.
 fn current_lora(a: &Adapter) -> Lora<'_> {
@@ -72,17 +61,6 @@ fn logprobs(
         (0.0, vec![0.0; lp.len()])
     });
     lp.into_iter().map(f64::from).collect()
-}
-
-fn log_softmax_at(z: &Array2<f32>, tokens: &[usize]) -> Vec<f64> {
-    z.rows()
-        .into_iter()
-        .zip(tokens)
-        .map(|(row, &t)| {
-            let row = row.to_vec();
-            row[t] as f64 - crate::policy::sampler::logsumexp(&row)
-        })
-        .collect()
 }
 
 /// Runs one update over the selected sessions, starting from `parent` (the active adapter, or a
@@ -193,7 +171,6 @@ pub fn run_update(
         parent.as_ref().map(|p| p.0),
         cfg,
     )?;
-    let success = super::annotate::success_target;
     let mut generators: HashMap<i64, Adapter> = HashMap::new();
     for s in &sessions {
         for t in &s.turns {
@@ -221,233 +198,176 @@ pub fn run_update(
         }
     }
     let mut backend = step::backend(cfg, sft, tail.zip(block_spec.clone()))?;
-    // ---- minibatches with base logits, old / reference log-probs -------------------------------
-    let digit_vocab = (sft && cfg.sft_digit_class).then(|| {
-        std::sync::Arc::new(
-            (0..head.n_vocab())
-                .map(|v| head.is_digit_token(v))
-                .collect::<Vec<bool>>(),
-        )
-    });
-    let order_kept: Vec<usize> = (0..sessions.len()).filter(|&i| keep[i]).collect();
-    let mut order = order_kept.clone();
-    if order.is_empty() {
-        return Err(Error::NothingToLearn(
-            "every group has equal outcomes (DAPO filter)".into(),
-        ));
-    }
-    let mut minibatches: Vec<Minibatch> = Vec::new();
-    let total_tokens: usize = order
-        .iter()
-        .map(|&i| {
-            sessions[i]
-                .turns
-                .iter()
-                .map(|t| t.tokens.len())
-                .sum::<usize>()
-        })
-        .sum();
-    let (mut gap_behavior, mut n_gap) = ((0f64, 0f64), 0usize);
-    let mut turn_counter = 0usize;
-    while !order.is_empty() {
-        let mut take = Vec::new();
-        let mut n = 0;
-        while let Some(&i) = order.first() {
-            let len: usize = sessions[i].turns.iter().map(|t| t.tokens.len()).sum();
-            if !take.is_empty() && n + len > cfg.minibatch_tokens {
-                break;
-            }
-            take.push(order.remove(0));
-            n += len;
-        }
-        let mut rows = Vec::with_capacity(n * n_embd);
-        let mut mb = Minibatch {
-            sessions: take.clone(),
-            h: Array2::zeros((0, n_embd)),
-            hs: Array2::zeros((0, n_embd)),
-            base: Array2::zeros((0, 0)),
-            tokens: Vec::with_capacity(n),
-            batch: TokenBatch::default(),
-            states: Vec::new(),
-            digit_class: Vec::new(),
-            digit_vocab: digit_vocab.clone(),
-            block: None,
-        };
-        let mut block_parts = Vec::new();
-        let mut gens = Vec::new();
-        // per token: 1 / temperature, the support, the generating adapter
-        let mut behaviour: Vec<(f32, Option<&Support>, Option<i64>)> = Vec::with_capacity(n);
-        for (si, &i) in take.iter().enumerate() {
-            let s = &sessions[i];
-            if let Some(x) = &s.block_x {
-                // positions 0 .. the one that produced the session's last token
-                let end = s
-                    .turns
-                    .iter()
-                    .map(|t| t.context_len + t.tokens.len() - 1)
-                    .max()
-                    .unwrap_or(0);
-                let scored: Vec<usize> = s
-                    .turns
-                    .iter()
-                    .flat_map(|t| (0..t.tokens.len()).map(move |k| t.context_len - 1 + k))
-                    .collect();
-                let first = mb.tokens.len();
-                block_parts.push((x.slice(ndarray::s![..end, ..]), first, scored));
-            }
-            for (t, turn) in s.turns.iter().enumerate() {
-                mb.states.push((mb.tokens.len(), success(s.outcome)));
-                for k in 0..turn.tokens.len() {
-                    mb.batch.seq.push(si);
-                    mb.batch.turn.push(turn_counter);
-                    let adv = if sft { 1.0 } else { turn_adv[i][t] };
-                    mb.batch.adv.push(adv);
-                    mb.batch.ig_hat.push(ig_hat[i][t]);
-                    mb.batch.final_turn.push(t + 1 == s.turns.len());
-                    mb.batch.logp_behavior.push(turn.logp_behavior[k] as f64);
-                    let support = turn.support.get(k).filter(|_| !sft);
-                    // a token the sampler had no choice over (greedy, a point-mass digit)
-                    // has log-prob 0 under every adapter: nothing to learn from it
-                    let forced =
-                        support.is_some_and(|s| s.keep.as_ref().is_some_and(|k| k.len() == 1));
-                    mb.batch.trainable.push(
-                        sft || (!forced
-                            && token_learns(cfg, adv, || head.is_digit_token(turn.tokens[k]))),
-                    );
-                    let inv_t = if sft { 1.0 } else { 1.0 / turn.temperature };
-                    behaviour.push((inv_t, support, turn.adapter_id));
-                }
-                turn_counter += 1;
-                if sft && cfg.sft_digit_class {
-                    mb.digit_class
-                        .extend(turn.tokens.iter().map(|&t| head.is_digit_token(t)));
-                }
-                mb.tokens.extend_from_slice(&turn.tokens);
-                rows.extend(turn.h.iter().copied());
-                gens.push((turn.adapter_id, turn.tokens.len()));
-            }
-        }
-        mb.h = Array2::from_shape_vec((mb.tokens.len(), n_embd), rows)
-            .map_err(|e| Error::Corrupt(e.to_string()))?;
-        mb.base = head.base_logits(mb.h.view())?;
-        // the policy each token was sampled from: logits / T (LoRA is linear in h, so the
-        // features are divided too), restricted to the sampler's support
-        mb.hs = mb.h.clone();
-        for (k, &(inv_t, support, gen)) in behaviour.iter().enumerate() {
-            let mut row = mb.base.row_mut(k);
-            if inv_t != 1.0 {
-                row.mapv_inplace(|x| x * inv_t);
-                mb.hs.row_mut(k).mapv_inplace(|x| x * inv_t);
-            }
-            let Some(support) = support.filter(|s| !s.is_full()) else {
-                continue;
-            };
-            let row = row
-                .as_slice_mut()
-                .ok_or_else(|| Error::Corrupt("base logits are not contiguous".into()))?;
-            let excluded = match gen.and_then(|g| generators.get(&g)) {
-                // top-p's kept set is ranked by the generating policy's own logits
-                Some(ad) if support.top_n.is_some() => {
-                    let mut z = vec![0f32; row.len()];
-                    ad.apply(&mb.hs.row(k).to_vec(), &mut z);
-                    z.iter_mut().zip(row.iter()).for_each(|(z, b)| *z += b);
-                    support.excluded(&z)
-                }
-                _ => support.excluded(row),
-            };
-            row.iter_mut()
-                .zip(excluded)
-                .filter(|(_, e)| *e)
-                .for_each(|(x, _)| *x = EXCLUDED);
-        }
-        // the base policy's log-probs; with a reference adapter they are only the step
-        // graph's input of the right length while it computes the reference's own
-        if block_mode {
-            // the block graph computes the logits; `base` keeps only the sampler's support
-            mb.base
-                .mapv_inplace(|x| if x == EXCLUDED { EXCLUDED } else { 0.0 });
-            let views: Vec<_> = block_parts.iter().map(|p| p.0.view()).collect();
-            let x =
-                ndarray::concatenate(Axis(0), &views).map_err(|e| Error::Corrupt(e.to_string()))?;
-            let (mut row, mut parts) = (0, Vec::with_capacity(block_parts.len()));
-            for (xs, first, scored) in block_parts {
-                parts.push(step::BlockSession {
-                    rows: row..row + xs.nrows(),
-                    tokens: first..first + scored.len(),
-                    scored,
-                });
-                row += xs.nrows();
-            }
-            mb.block = Some(step::BlockBatch {
-                x,
-                inv_t: behaviour.iter().map(|b| b.0).collect(),
-                sessions: parts,
-            });
-        }
-        mb.batch.logp_ref = if block_mode {
-            vec![0.0; mb.tokens.len()]
-        } else {
-            log_softmax_at(&mb.base, &mb.tokens)
-        };
-        let zero_b = Array2::<f32>::zeros(current.b.dim());
-        if let Some(r) = &kl_ref {
-            let w = Lora {
-                a: r.a.view(),
-                b: r.b.view(),
-                scale: r.scale(),
-                block: r.block.as_ref().map(|b| &b.factors),
-            };
-            mb.batch.logp_ref = backend.logp(&mb, w)?;
-        } else if block_mode && cfg.objective.kl_coef > 0.0 {
-            // the base policy: no adapter at all
-            let w = Lora {
-                a: current.a.view(),
-                b: zero_b.view(),
-                scale: current.scale(),
-                block: None,
-            };
-            mb.batch.logp_ref = backend.logp(&mb, w)?;
-        }
-        // logp_old per turn under the adapter that generated it, computed by the same step
-        // engine as the new log-probs (so the first ratio of the update is exactly 1)
-        let mut by_gen: HashMap<Option<i64>, Vec<f64>> = HashMap::new();
-        for (gen, _) in &gens {
-            if !by_gen.contains_key(gen) {
-                let (a, b, scale, block) = match gen.and_then(|g| generators.get(&g)) {
-                    Some(ad) => (
-                        ad.a.view(),
-                        ad.b.view(),
-                        ad.scale(),
-                        ad.block.as_ref().map(|b| &b.factors),
-                    ),
-                    None => (current.a.view(), zero_b.view(), current.scale(), None),
-                };
-                let lp = backend.logp(&mb, Lora { a, b, scale, block })?;
-                by_gen.insert(*gen, lp);
-            }
-        }
-        let mut off = 0;
-        for (gen, len) in gens {
-            let old = &by_gen[&gen][off..off + len];
-            for (k, o) in old.iter().enumerate() {
-                let db = (o - mb.batch.logp_behavior[off + k]).abs();
-                gap_behavior.0 += db;
-                gap_behavior.1 = gap_behavior.1.max(db);
-                n_gap += 1;
-            }
-            mb.batch.logp_old.extend_from_slice(old);
-            off += len;
-        }
-        minibatches.push(mb);
-        progress(
-            "scoring features",
-            minibatches.len(),
-            minibatches.len() + order.len().min(1),
-        );
-    }
+    let Scored {
+        minibatches,
+        order_kept,
+        total_tokens,
+        gap_behavior,
+        n_gap,
+    } = score_minibatches(
+        &ScoreInputs {
+            cfg,
+            sft,
+            head,
+            sessions: &sessions,
+            keep: &keep,
+            turn_adv: &turn_adv,
+            ig_hat: &ig_hat,
+            generators: &generators,
+            kl_ref: kl_ref.as_ref(),
+            current: &current,
+            block_mode,
+        },
+        backend.as_mut(),
+        &mut progress,
+    )?;
 
-    // ---- epochs of AdamW steps ----------------------------------------------------------------
     let device_used = backend.device();
+    let steps_out = train_steps(
+        store,
+        cfg,
+        parent.as_ref().map(|(id, _)| *id),
+        &minibatches,
+        &mut current,
+        backend.as_mut(),
+        block_mode,
+        &mut progress,
+    )?;
+    let Trained {
+        opt,
+        vopt,
+        optimizer_from_parent,
+        steps,
+        first_ratio_dev,
+        last_stats,
+        grad_norm_last,
+        value_loss_last,
+        loss_last,
+        mut trace,
+    } = steps_out;
+
+    let Measured {
+        candidate,
+        turn_entropy,
+        explained_variance,
+    } = measure_candidate(cfg, &minibatches, &current, backend.as_mut(), block_mode)?;
+    if !sft {
+        trace.push(candidate.clone());
+    }
+    let secs = t_start.elapsed().as_secs_f64();
+    let st = last_stats.unwrap_or_default();
+    let mut temperatures: Vec<f32> = order_kept
+        .iter()
+        .flat_map(|&i| sessions[i].turns.iter().map(|t| t.temperature))
+        .collect();
+    temperatures.sort_by(f32::total_cmp);
+    temperatures.dedup();
+    let diagnostics = Diagnostics {
+        sessions: minibatches.iter().map(|m| m.sessions.len()).sum::<usize>(),
+        tokens: total_tokens,
+        untrainable_tokens: minibatches
+            .iter()
+            .map(|m| m.batch.trainable.iter().filter(|&&t| !t).count())
+            .sum::<usize>(),
+        steps,
+        loss: loss_last,
+        policy_loss: st.policy_loss,
+        value_loss: value_loss_last,
+        approx_kl: candidate.approx_kl,
+        last_step_approx_kl: st.approx_kl,
+        kl_ref_k3: st.kl_ref,
+        kl_reference: cfg.kl_ref_adapter,
+        clip_frac_low: candidate.clip_frac_low,
+        clip_frac_high: candidate.clip_frac_high,
+        candidate,
+        trust_region_steps: trace,
+        advantage_balance: balance,
+        clip_scale_mean: st.clip_scale_mean,
+        ratio_mean: st.ratio_mean,
+        ratio_max_dev: st.ratio_max_dev,
+        first_ratio_max_dev: first_ratio_dev,
+        explained_variance,
+        grad_norm: grad_norm_last,
+        lr: cfg.lr,
+        tokens_per_s: (total_tokens * cfg.epochs) as f64 / secs,
+        logp_old_vs_behavior_mean: gap_behavior.0 / n_gap.max(1) as f64,
+        logp_old_vs_behavior_max: gap_behavior.1,
+        turn_entropy,
+        grouping: grouping.to_string(),
+        groups: groups
+            .iter()
+            .collect::<std::collections::HashSet<_>>()
+            .len(),
+        fallback_sessions: fallback.len(),
+        sampling_temperatures: temperatures,
+        seconds: secs,
+        backend: format!("{:?}", cfg.backend).to_lowercase(),
+        advantage: format!("{:?}", cfg.advantage).to_lowercase(),
+        process_signal,
+        value_brier_heldout: value_brier,
+        value_auc_heldout: value_auc,
+        value_heldout_states: value_states,
+        device: device_used,
+        optimizer_from_parent,
+        trained,
+        sessions_without_block: without_block,
+        unusable_sessions: unusable
+            .iter()
+            .map(|(id, why)| json!({"session": id, "reason": why}))
+            .collect(),
+    };
+    if cfg.dry_run {
+        return Ok(UpdateReport {
+            update_id: 0,
+            adapter_id: None,
+            diagnostics,
+        });
+    }
+    commit(
+        store,
+        db_path,
+        parent.as_ref().map(|(id, _)| *id),
+        &current,
+        cfg,
+        (&opt, &vopt),
+        (&sessions, &turn_adv, &keep),
+        &minibatches,
+        diagnostics,
+        &mut progress,
+    )
+}
+
+/// What the steps leave for the diagnostics and the candidate.
+struct Trained {
+    opt: AdamW,
+    vopt: AdamW,
+    optimizer_from_parent: bool,
+    steps: usize,
+    first_ratio_dev: Option<f64>,
+    last_stats: Option<SurrogateStats>,
+    grad_norm_last: f64,
+    value_loss_last: f64,
+    loss_last: f64,
+    /// every step's trust region before the step
+    trace: Vec<TrustRegion>,
+}
+
+/// The steps: epochs of AdamW over the minibatches (gradient-norm clipping; the value head's
+/// BCE on every turn's state), training `current` in place. A non-finite loss or gradient
+/// rejects the update (recorded as a rejected `updates` row unless it is a dry run).
+#[allow(clippy::too_many_arguments)]
+fn train_steps(
+    store: &mut Store,
+    cfg: &TrainConfig,
+    parent_id: Option<i64>,
+    minibatches: &[Minibatch],
+    current: &mut Adapter,
+    backend: &mut dyn StepBackend,
+    block_mode: bool,
+    progress: &mut impl FnMut(&str, usize, usize),
+) -> Result<Trained> {
+    let sft = cfg.algo == Algo::Sft;
+    let n_embd = current.value_w.len();
     let shapes: Vec<(usize, usize)> = match (&current.block, block_mode) {
         (Some(b), true) => b
             .factors
@@ -462,8 +382,8 @@ pub fn run_update(
     let mut vopt = AdamW::new(&[(1, n_embd + 1)]);
     let mut optimizer_from_parent = false;
     if cfg.keep_optimizer {
-        if let Some((pid, _)) = parent.as_ref() {
-            let rec = store.adapter(*pid)?;
+        if let Some(pid) = parent_id {
+            let rec = store.adapter(pid)?;
             optimizer_from_parent = load_optimizer(Path::new(&rec.path), &mut opt, &mut vopt)?;
         }
     }
@@ -474,8 +394,8 @@ pub fn run_update(
     let mut loss_last = 0f64;
     let mut trace: Vec<TrustRegion> = Vec::with_capacity(steps + 1);
     for _epoch in 0..cfg.epochs {
-        for mb in &minibatches {
-            let w = current_lora(&current);
+        for mb in minibatches {
+            let w = current_lora(current);
             let (loss, logp_new, grads, stats) = backend.loss_and_grad(mb, w)?;
             if let Some(st) = &stats {
                 let lp: Vec<f64> = logp_new.iter().map(|&x| x as f64).collect();
@@ -587,22 +507,55 @@ pub fn run_update(
             progress("training", step, steps);
         }
     }
+
     if !current.is_finite() {
         return Err(Error::UpdateRejected {
             update: None,
             reason: "the updated adapter is not finite".into(),
         });
     }
+    Ok(Trained {
+        opt,
+        vopt,
+        optimizer_from_parent,
+        steps,
+        first_ratio_dev,
+        last_stats,
+        grad_norm_last,
+        value_loss_last,
+        loss_last,
+        trace,
+    })
+}
 
-    // ---- diagnostics after the update ----------------------------------------------------------
+/// The candidate measured over the whole batch after the last step.
+struct Measured {
+    /// its trust region against the sampling adapters (what the gate reads)
+    candidate: TrustRegion,
+    /// normalised entropy of how the log-ratio change spreads over a session's turns
+    turn_entropy: f64,
+    /// the value head's explained variance of the outcome
+    explained_variance: f64,
+}
+
+/// Measures the final adapter on every minibatch: its log-probs, clip fractions, turn entropy
+/// and the value head's fit.
+fn measure_candidate(
+    cfg: &TrainConfig,
+    minibatches: &[Minibatch],
+    current: &Adapter,
+    backend: &mut dyn StepBackend,
+    block_mode: bool,
+) -> Result<Measured> {
+    let sft = cfg.algo == Algo::Sft;
     let (mut ent_sum, mut ent_n) = (0f64, 0usize);
     let (mut ev_num, mut ev_den, mut ys) = (0f64, 0f64, Vec::new());
     let mut finals = Vec::with_capacity(minibatches.len());
-    for mb in &minibatches {
+    for mb in minibatches {
         let new = if block_mode {
-            backend.logp(mb, current_lora(&current))?
+            backend.logp(mb, current_lora(current))?
         } else {
-            logprobs(&mb.base, &mb.hs, &mb.tokens, Some(&current))
+            logprobs(&mb.base, &mb.hs, &mb.tokens, Some(current))
         };
         let clipped = if sft {
             (0.0, 0.0)
@@ -658,105 +611,56 @@ pub fn run_update(
             .zip(&finals)
             .map(|(mb, (new, c))| (&mb.batch, new.as_slice(), *c)),
     );
-    if !sft {
-        trace.push(candidate.clone());
-    }
     let ymean = ys.iter().map(|p| p.0).sum::<f64>() / ys.len().max(1) as f64;
     for (y, p) in &ys {
         ev_num += (y - p).powi(2);
         ev_den += (y - ymean).powi(2);
     }
-    let secs = t_start.elapsed().as_secs_f64();
-    let st = last_stats.unwrap_or_default();
-    let mut temperatures: Vec<f32> = order_kept
-        .iter()
-        .flat_map(|&i| sessions[i].turns.iter().map(|t| t.temperature))
-        .collect();
-    temperatures.sort_by(f32::total_cmp);
-    temperatures.dedup();
-    let diagnostics = Diagnostics {
-        sessions: minibatches.iter().map(|m| m.sessions.len()).sum::<usize>(),
-        tokens: total_tokens,
-        untrainable_tokens: minibatches
-            .iter()
-            .map(|m| m.batch.trainable.iter().filter(|&&t| !t).count())
-            .sum::<usize>(),
-        steps,
-        loss: loss_last,
-        policy_loss: st.policy_loss,
-        value_loss: value_loss_last,
-        approx_kl: candidate.approx_kl,
-        last_step_approx_kl: st.approx_kl,
-        kl_ref_k3: st.kl_ref,
-        kl_reference: cfg.kl_ref_adapter,
-        clip_frac_low: candidate.clip_frac_low,
-        clip_frac_high: candidate.clip_frac_high,
+    Ok(Measured {
         candidate,
-        trust_region_steps: trace,
-        advantage_balance: balance,
-        clip_scale_mean: st.clip_scale_mean,
-        ratio_mean: st.ratio_mean,
-        ratio_max_dev: st.ratio_max_dev,
-        first_ratio_max_dev: first_ratio_dev,
+        turn_entropy: ent_sum / ent_n.max(1) as f64,
         explained_variance: if ev_den > 0.0 {
             1.0 - ev_num / ev_den
         } else {
             0.0
         },
-        grad_norm: grad_norm_last,
-        lr: cfg.lr,
-        tokens_per_s: (total_tokens * cfg.epochs) as f64 / secs,
-        logp_old_vs_behavior_mean: gap_behavior.0 / n_gap.max(1) as f64,
-        logp_old_vs_behavior_max: gap_behavior.1,
-        turn_entropy: ent_sum / ent_n.max(1) as f64,
-        grouping: grouping.to_string(),
-        groups: groups
-            .iter()
-            .collect::<std::collections::HashSet<_>>()
-            .len(),
-        fallback_sessions: fallback.len(),
-        sampling_temperatures: temperatures,
-        seconds: secs,
-        backend: format!("{:?}", cfg.backend).to_lowercase(),
-        advantage: format!("{:?}", cfg.advantage).to_lowercase(),
-        process_signal,
-        value_brier_heldout: value_brier,
-        value_auc_heldout: value_auc,
-        value_heldout_states: value_states,
-        device: device_used,
-        optimizer_from_parent,
-        trained,
-        sessions_without_block: without_block,
-        unusable_sessions: unusable
-            .iter()
-            .map(|(id, why)| json!({"session": id, "reason": why}))
-            .collect(),
-    };
-    if cfg.dry_run {
-        return Ok(UpdateReport {
-            update_id: 0,
-            adapter_id: None,
-            diagnostics,
-        });
-    }
+    })
+}
+
+/// Writes the candidate atomically, then registers it with its update: the `updates` row with
+/// the diagnostics, the advantage each turn received and the sessions learned from. A failed
+/// registration leaves the version rejected.
+#[allow(clippy::too_many_arguments)]
+fn commit(
+    store: &mut Store,
+    db_path: &Path,
+    parent_id: Option<i64>,
+    current: &Adapter,
+    cfg: &TrainConfig,
+    (opt, vopt): (&AdamW, &AdamW),
+    (sessions, turn_adv, keep): (&[SessionData], &[Vec<f64>], &[bool]),
+    minibatches: &[Minibatch],
+    diagnostics: Diagnostics,
+    progress: &mut impl FnMut(&str, usize, usize),
+) -> Result<UpdateReport> {
+    let sft = cfg.algo == Algo::Sft;
     let diagnostics_json = diagnostics.to_json();
 
     // ---- write the candidate atomically, then register it -------------------------------------
     progress("writing adapter", 0, 1);
-    let parent_id = parent.as_ref().map(|(id, _)| *id);
     let extra = if cfg.keep_optimizer {
-        vec![(OPTIMIZER_FILE, optimizer_blob(&opt, &vopt)?)]
+        vec![(OPTIMIZER_FILE, optimizer_blob(opt, vopt)?)]
     } else {
         Vec::new()
     };
-    let id = super::candidate::write(store, db_path, parent_id, &current, &extra)?;
+    let id = super::candidate::write(store, db_path, parent_id, current, &extra)?;
     // the advantage each turn received in this update, and the sessions it used
     let advantages: Vec<(i64, f64)> = if sft {
         Vec::new()
     } else {
         sessions
             .iter()
-            .zip(&turn_adv)
+            .zip(turn_adv)
             .enumerate()
             .filter(|(i, _)| keep[*i])
             .flat_map(|(_, (s, adv))| s.turns.iter().zip(adv).map(|(t, a)| (t.turn_id, *a)))
@@ -823,29 +727,5 @@ mod tests {
         c.objective.tis_cap = Some(1.0);
         c.lr = 0.0;
         c.validate().unwrap();
-    }
-
-    #[test]
-    fn digit_masks_decide_which_tokens_learn() {
-        let mut cfg = TrainConfig::preset(Algo::A2tgpo);
-        // (advantage, is a digit) → learns, for off / negative / all
-        let cases = [
-            (0.5, true),
-            (-0.5, true),
-            (0.0, true),
-            (-0.5, false),
-            (0.5, false),
-        ];
-        let learns = |cfg: &TrainConfig| -> Vec<bool> {
-            cases
-                .iter()
-                .map(|&(a, d)| token_learns(cfg, a, || d))
-                .collect()
-        };
-        assert_eq!(learns(&cfg), [true, true, true, true, true]);
-        cfg.mask_negative_digits = true;
-        assert_eq!(learns(&cfg), [true, false, false, true, true]);
-        cfg.mask_digits = true;
-        assert_eq!(learns(&cfg), [false, false, false, true, true]);
     }
 }
