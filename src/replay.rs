@@ -362,13 +362,19 @@ pub fn export_jsonl(store: &Store, source: Option<Source>, mut out: impl Write) 
             .map(|t| json!({"role": t.role.as_str(), "content": t.text}))
             .collect();
         let annotations = store.annotations_of_session(s.id)?;
+        let mut metadata =
+            json!({"source": s.source, "created_at": s.created_at, "original": s.metadata});
+        // a held-out session stays held out where the log is imported
+        if s.metadata.get("held_out") == Some(&json!(true)) {
+            metadata["held_out"] = json!(true);
+        }
         let line = json!({
             "session_id": s.id,
             "messages": messages,
             "outcome": s.outcome_reward,
             "reference": s.reference,
             "group": s.group_key,
-            "metadata": json!({"source": s.source, "created_at": s.created_at, "original": s.metadata}),
+            "metadata": metadata,
             "annotations": annotations,
         });
         writeln!(out, "{line}").map_err(|e| Error::io("<export output>", e))?;

@@ -448,11 +448,17 @@ fn kill_during_stream_and_training_loses_no_acknowledged_turn() {
 /// Two one-turn sessions `{prefix}0` (resolved) and `{prefix}1` (unresolved), each ended after
 /// its feedback: enough for a background update with `--learn-every 2`.
 fn two_sessions_with_outcomes(a: &str, prefix: &str) {
+    two_sessions(a, prefix, true);
+}
+
+/// Two one-turn sessions `{prefix}0` (resolved) and `{prefix}1` (unresolved), ended; with
+/// `learn` false they are held out of learning.
+fn two_sessions(a: &str, prefix: &str, learn: bool) {
     for (i, outcome) in [(0, "resolved"), (1, "unresolved")] {
         let id = format!("{prefix}{i}");
         let (s, r) = chat(
             a,
-            json!({"messages": [{"role": "user", "content": "Hello, I need help."}], "max_tokens": 8, "seed": i, "session_id": id}),
+            json!({"messages": [{"role": "user", "content": "Hello, I need help."}], "max_tokens": 8, "seed": i, "session_id": id, "learn": learn}),
         );
         assert_eq!(s, 200, "{r}");
         let fb = json!({"outcome": outcome}).to_string();
@@ -1320,4 +1326,121 @@ fn unjudged_candidates_are_gated_at_start_up_and_forced_activation_is_explicit()
     let rec = store.adapter(fresh).unwrap();
     assert_eq!(rec.status, AdapterStatus::Active);
     assert!(rec.metrics["forced"].is_object(), "{}", rec.metrics);
+}
+
+/// Held-out evaluation traffic (`"learn": false` on a request) is logged like any other session
+/// but never trained on: it does not count towards the learner's trigger, the update that runs
+/// after two ordinary sessions learns from those two only, `turnwise train`'s selection skips
+/// it, and an export keeps it held out where it is imported.
+#[test]
+fn held_out_sessions_are_logged_but_never_learned_from() {
+    let dir = tempdir();
+    let db = dir.path().join("held.db");
+    let srv = Server::start(
+        &db,
+        &["--learn-every", "2", "--gate-kl", "10", "--algo", "grpo"],
+    );
+    let a = &srv.addr;
+    let metric = |name: &str| -> f64 {
+        let (_, m) = http(a, "GET", "/metrics", &[], b"");
+        m.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    two_sessions(a, "h", false);
+    // a session held out from its second request on: held out for good
+    let first = json!({"messages": [{"role": "user", "content": "Hello, I need help."}], "max_tokens": 8, "seed": 3, "session_id": "late"});
+    let (s, r) = chat(a, first);
+    assert_eq!(s, 200, "{r}");
+    let reply = r["choices"][0]["message"]["content"].as_str().unwrap();
+    let second = json!({"messages": [
+        {"role": "user", "content": "Hello, I need help."},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "It is order 12345."}
+    ], "max_tokens": 8, "session_id": "late", "learn": false});
+    let (s, r) = chat(a, second);
+    assert_eq!(s, 200, "{r}");
+    let fb = json!({"outcome": "resolved"}).to_string();
+    assert_eq!(
+        http(a, "POST", "/v1/sessions/late/feedback", &[], fb.as_bytes()).0,
+        200
+    );
+    assert_eq!(http(a, "POST", "/v1/sessions/late/end", &[], b"").0, 200);
+    assert_eq!(metric("turnwise_sessions_learnable_total"), 0.0);
+    two_sessions_with_outcomes(a, "n");
+    assert_eq!(metric("turnwise_sessions_learnable_total"), 2.0);
+    let mut updates = 0.0;
+    for _ in 0..480 {
+        updates = metric("turnwise_updates_total");
+        if updates >= 1.0 && metric("turnwise_update_running") == 0.0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert_eq!(
+        updates, 1.0,
+        "the two ordinary sessions triggered one update"
+    );
+    let store = Store::open(&db).unwrap();
+    let mut st = store
+        .connection()
+        .prepare(
+            "SELECT client_session_id, held_out, learned_at IS NOT NULL FROM sessions
+             ORDER BY client_session_id",
+        )
+        .unwrap();
+    let rows: Vec<(String, i64, bool)> = st
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        rows,
+        vec![
+            ("h0".to_string(), 1, false),
+            ("h1".to_string(), 1, false),
+            ("late".to_string(), 1, false),
+            ("n0".to_string(), 0, true),
+            ("n1".to_string(), 0, true),
+        ]
+    );
+    let selectable: Vec<i64> = store
+        .training_sessions(None, None, false, 100)
+        .unwrap()
+        .iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(selectable.len(), 2, "{selectable:?}");
+    drop(st);
+    // the export carries the mark, and an import of it keeps the sessions out of training
+    let exported = dir.path().join("held.jsonl");
+    let ex = turnwise(&db)
+        .args(["export", "--out"])
+        .arg(&exported)
+        .output()
+        .unwrap();
+    assert!(ex.status.success(), "{ex:?}");
+    let text = std::fs::read_to_string(&exported).unwrap();
+    let held: usize = text
+        .lines()
+        .filter(|l| serde_json::from_str::<Value>(l).unwrap()["metadata"]["held_out"] == true)
+        .count();
+    assert_eq!(held, 3, "{text}");
+    let db2 = dir.path().join("imported.db");
+    let im = turnwise(&db2)
+        .arg("import")
+        .arg(&exported)
+        .output()
+        .unwrap();
+    assert!(im.status.success(), "{im:?}");
+    let imported = Store::open(&db2).unwrap();
+    assert_eq!(imported.sessions(None, 100).unwrap().len(), 5);
+    assert_eq!(
+        imported
+            .training_sessions(None, None, false, 100)
+            .unwrap()
+            .len(),
+        2
+    );
 }

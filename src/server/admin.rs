@@ -213,6 +213,12 @@ pub(super) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         st.live().len() as f64,
     );
     line(
+        "turnwise_sessions_learnable_total",
+        "counter",
+        "ended sessions with feedback that count towards the learner's trigger (held-out ones do not)",
+        m.ended_with_feedback.load(Ordering::Relaxed) as f64,
+    );
+    line(
         "turnwise_updates_total",
         "counter",
         "background updates run",

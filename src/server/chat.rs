@@ -67,6 +67,7 @@ pub(super) fn route_session(
     st: &AppState,
     id: String,
     msgs: Vec<Message>,
+    held_out: bool,
 ) -> ApiResult<(String, LiveSession, Vec<Message>)> {
     let known = st.live().get(&id).cloned();
     let known = match known {
@@ -79,12 +80,19 @@ pub(super) fn route_session(
             && msgs[..n] == live.messages[..]
             && msgs[n..].iter().all(|m| m.role != Role::Assistant);
         if extends {
+            if held_out {
+                st.store().set_held_out(live.store_id)?;
+            }
             return Ok((id, live.clone(), msgs[n..].to_vec()));
         }
     }
     // a new session, or a new branch of one whose history the request does not extend
     let mut s = NewSession::new(Source::Live);
-    s.metadata = json!({"client_session_id": id});
+    s.metadata = if held_out {
+        json!({"client_session_id": id, "held_out": true})
+    } else {
+        json!({"client_session_id": id})
+    };
     let store_id = Recorder::open(&st.store(), &s)?.id();
     Ok((
         id,
@@ -183,7 +191,8 @@ pub(super) async fn chat_completions(
         )
     });
     let busy = BusyGuard::take(&st, &client_id).ok_or_else(|| conflict(&client_id))?;
-    let (client_id, live, new_msgs) = route_session(&st, client_id, msgs)?;
+    let (client_id, live, new_msgs) =
+        route_session(&st, client_id, msgs, req.learn == Some(false))?;
     let model = st.engine.info().name.clone();
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -421,10 +430,11 @@ pub(super) async fn end_session(
     let _busy = BusyGuard::take(&st, &id).ok_or_else(|| conflict(&id))?;
     let rec = Recorder::resume(live_session(&st, &id)?);
     let sid = rec.id();
+    // a held-out session does not count towards the learner's trigger either
     let has_feedback = {
         let store = st.store();
         rec.end(&store)?;
-        !store.feedback(sid)?.is_empty()
+        !store.feedback(sid)?.is_empty() && !store.is_held_out(sid)?
     };
     st.live().remove(&id);
     st.engine.close(sid as u64);

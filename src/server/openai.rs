@@ -51,6 +51,11 @@ pub struct ChatRequest {
     /// OpenAI's end-user id, used as session id when `session_id` is absent
     #[serde(default)]
     pub user: Option<String>,
+    /// `false`: no update ever learns from this session — held-out evaluation traffic; it stays
+    /// held out for good once a request of the session says so (send it on the first one)
+    /// (extension)
+    #[serde(default)]
+    pub learn: Option<bool>,
     /// never end the reply with an end-of-turn token: generate `max_tokens` (extension, as
     /// llama.cpp's server names it; for load tests)
     #[serde(default)]

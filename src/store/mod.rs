@@ -74,6 +74,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0010_client_session_index.sql",
         include_str!("../../migrations/0010_client_session_index.sql"),
     ),
+    (
+        "0011_held_out.sql",
+        include_str!("../../migrations/0011_held_out.sql"),
+    ),
 ];
 
 /// A closed set of names stored as text: `as_str`, parsing, `Display`, SQLite and serde

@@ -232,7 +232,8 @@ impl Store {
     ) -> Result<Vec<SessionRecord>> {
         let sql = format!(
             "SELECT {SESSION_COLUMNS} FROM sessions
-             WHERE ended_at IS NOT NULL AND (?1 IS NULL OR source = ?1) AND (?2 IS NULL OR created_at >= ?2)
+             WHERE ended_at IS NOT NULL AND held_out = 0
+               AND (?1 IS NULL OR source = ?1) AND (?2 IS NULL OR created_at >= ?2)
                AND (?3 = 0 OR outcome_reward IS NOT NULL) AND (?5 IS NULL OR created_at < ?5)
              ORDER BY id DESC LIMIT ?4"
         );
@@ -413,6 +414,41 @@ impl Store {
                 |r| r.get(0),
             )
             .optional()?)
+    }
+}
+
+impl Store {
+    /// Holds a session out of learning from now on (`metadata.held_out`): no update selects it
+    /// again ([`Store::training_sessions`] skips it). Idempotent.
+    ///
+    /// # Errors
+    /// SQLite errors; [`Error::NotFound`] for an unknown session.
+    pub fn set_held_out(&self, session_id: i64) -> Result<()> {
+        let n = self.conn.execute(
+            "UPDATE sessions SET metadata = json_set(metadata, '$.held_out', json('true'))
+             WHERE id = ?1",
+            [session_id],
+        )?;
+        if n == 0 {
+            return Err(Error::NotFound(format!("session {session_id}")));
+        }
+        Ok(())
+    }
+
+    /// Whether a session is held out of learning.
+    ///
+    /// # Errors
+    /// SQLite errors; [`Error::NotFound`] for an unknown session.
+    pub fn is_held_out(&self, session_id: i64) -> Result<bool> {
+        self.conn
+            .query_row(
+                "SELECT held_out FROM sessions WHERE id = ?1",
+                [session_id],
+                |r| r.get::<_, i64>(0),
+            )
+            .optional()?
+            .map(|v| v != 0)
+            .ok_or_else(|| Error::NotFound(format!("session {session_id}")))
     }
 }
 
