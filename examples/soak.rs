@@ -12,16 +12,15 @@
 //! Arguments after `--` go to `turnwise serve` (e.g. `-- --learn-nice 0` when another job
 //! shares the machine and would otherwise starve the learner at its default nice 19).
 
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use serde_json::{json, Value};
+
+mod common;
+use serde_json::json;
 use turnwise::store::Store;
 use turnwise::AdapterStatus;
 
@@ -36,13 +35,7 @@ struct Opts {
 }
 
 fn opts() -> anyhow::Result<Opts> {
-    let exe = std::env::current_exe()?;
-    // target/release/examples/soak → target/release/turnwise
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("turnwise"))
-        .context("where is the turnwise binary?")?;
+    let bin = common::binary_beside_example()?;
     let mut o = Opts {
         cycles: 100,
         clients: 4,
@@ -71,12 +64,7 @@ fn opts() -> anyhow::Result<Opts> {
     if !(1..=8).contains(&o.clients) {
         bail!("--clients must be between 1 and 8");
     }
-    if !o.bin.exists() {
-        bail!(
-            "{} does not exist: run `cargo build --release` first or pass --bin",
-            o.bin.display()
-        );
-    }
+    common::require_binary(&o.bin)?;
     Ok(o)
 }
 
@@ -92,62 +80,6 @@ impl Rng {
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n.max(1)
     }
-}
-
-fn start(bin: &Path, db: &Path, extra: &[String]) -> anyhow::Result<(Child, String)> {
-    let mut child = Command::new(bin)
-        .arg("--db")
-        .arg(db)
-        .args([
-            "serve",
-            "--port",
-            "0",
-            "--learn-every",
-            "2",
-            "--learn-sessions",
-            "24",
-        ])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let mut line = String::new();
-    let stdout = child.stdout.take().context("no stdout")?;
-    BufReader::new(stdout).read_line(&mut line)?;
-    let addr = line
-        .trim()
-        .rsplit("http://")
-        .next()
-        .unwrap_or_default()
-        .to_string();
-    if !addr.starts_with("127.0.0.1:") {
-        let _ = child.kill();
-        let _ = child.wait();
-        bail!("the server did not start (it said {line:?})");
-    }
-    Ok((child, addr))
-}
-
-/// One request over a fresh connection: (status, JSON body).
-fn request(addr: &str, method: &str, path: &str, body: &Value) -> anyhow::Result<(u16, Value)> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(120)))?;
-    let b = body.to_string();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}",
-        b.len()
-    )?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").context("no response")?;
-    let code = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .context("no status")?;
-    Ok((code, serde_json::from_str(body).unwrap_or(Value::Null)))
 }
 
 #[derive(Default)]
@@ -171,7 +103,7 @@ fn client(addr: String, tag: String, seed: u64, sh: Arc<Shared>, updating: Arc<A
             let during = updating.load(Ordering::Relaxed);
             let body = json!({"messages": messages, "max_tokens": 12, "temperature": 0.7,
                               "seed": rng.next() % 1_000_000, "session_id": sid});
-            let Ok((200, v)) = request(&addr, "POST", "/v1/chat/completions", &body) else {
+            let Ok((200, v)) = common::request(&addr, "POST", "/v1/chat/completions", &body) else {
                 return;
             };
             let during = during || updating.load(Ordering::Relaxed);
@@ -194,11 +126,11 @@ fn client(addr: String, tag: String, seed: u64, sh: Arc<Shared>, updating: Arc<A
         }
         let outcome = rng.below(2);
         let feedback = format!("/v1/sessions/{sid}/feedback");
-        if request(&addr, "POST", &feedback, &json!({"outcome": outcome})).is_err() {
+        if common::request(&addr, "POST", &feedback, &json!({"outcome": outcome})).is_err() {
             return;
         }
         let end = format!("/v1/sessions/{sid}/end");
-        if request(&addr, "POST", &end, &json!({})).is_err() {
+        if common::request(&addr, "POST", &end, &json!({})).is_err() {
             return;
         }
         // a customer's pause before the next conversation: the learner gets the CPU now and
@@ -207,21 +139,18 @@ fn client(addr: String, tag: String, seed: u64, sh: Arc<Shared>, updating: Arc<A
     }
 }
 
-fn percentile(v: &[f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s[((p / 100.0) * (s.len() - 1) as f64).round() as usize]
-}
-
 fn main() -> anyhow::Result<()> {
     let o = opts()?;
     let tmp = std::env::temp_dir().join(format!("turnwise-soak-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let db = o.db.clone().unwrap_or_else(|| tmp.join("soak.db"));
     let sh = Arc::new(Shared::default());
+    // updates over the newest 24 sessions every 2 ended ones, so that they finish between kills
+    let serve_args: Vec<String> = ["--learn-every", "2", "--learn-sessions", "24"]
+        .iter()
+        .map(|a| a.to_string())
+        .chain(o.serve.iter().cloned())
+        .collect();
     let mut rng = Rng(o.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let (mut lost, mut integrity, mut failed_restarts, mut ungated, mut unloadable) =
         (0usize, 0usize, 0usize, 0usize, 0usize);
@@ -234,7 +163,7 @@ fn main() -> anyhow::Result<()> {
     );
     let t0 = Instant::now();
     for cycle in 0..o.cycles {
-        let (mut child, addr) = match start(&o.bin, &db, &o.serve) {
+        let (mut child, addr) = match common::start_server(&o.bin, &db, &serve_args) {
             Ok(x) => x,
             Err(e) => {
                 failed_restarts += 1;
@@ -248,16 +177,9 @@ fn main() -> anyhow::Result<()> {
             let (addr, updating, stop) = (addr.clone(), updating.clone(), stop.clone());
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
-                    if let Ok(mut s) = TcpStream::connect(&addr) {
-                        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-                        let _ = write!(
-                            s,
-                            "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-                        );
-                        let mut raw = String::new();
-                        let _ = s.read_to_string(&mut raw);
+                    if let Some(m) = common::metrics(&addr) {
                         updating.store(
-                            raw.lines().any(|l| l == "turnwise_update_running 1"),
+                            common::metric(&m, "turnwise_update_running") == Some(1.0),
                             Ordering::Relaxed,
                         );
                     }
@@ -322,9 +244,12 @@ fn main() -> anyhow::Result<()> {
     }
     bar.finish();
     // the server starts once more on what the cycles left
-    let restart_ok = match start(&o.bin, &db, &o.serve) {
+    let restart_ok = match common::start_server(&o.bin, &db, &serve_args) {
         Ok((mut child, addr)) => {
-            let ok = matches!(request(&addr, "GET", "/healthz", &json!({})), Ok((200, _)));
+            let ok = matches!(
+                common::request(&addr, "GET", "/healthz", &json!({})),
+                Ok((200, _))
+            );
             let _ = child.kill();
             let _ = child.wait();
             ok
@@ -374,14 +299,14 @@ fn main() -> anyhow::Result<()> {
     }
     println!(
         "| reply latency, no update running: p50 / p95 | {:.2} s / {:.2} s ({} replies) |",
-        percentile(&idle, 50.0),
-        percentile(&idle, 95.0),
+        common::percentile(&idle, 50.0),
+        common::percentile(&idle, 95.0),
         idle.len()
     );
     println!(
         "| reply latency, an update running: p50 / p95 | {:.2} s / {:.2} s ({} replies) |",
-        percentile(&during, 50.0),
-        percentile(&during, 95.0),
+        common::percentile(&during, 50.0),
+        common::percentile(&during, 95.0),
         during.len()
     );
     if o.db.is_none() {

@@ -275,8 +275,8 @@ fn import_train_activate_chat_and_roll_back_through_the_cli() {
     };
     run(&["import", file.to_str().unwrap()]);
     // `--activate` runs the gate: a refused update stays inactive, is recorded rejected, and
-    // cannot be activated by hand either. A supervised update records no approximate KL (0),
-    // so a KL bound of 0 passes it: a negative bound refuses any candidate
+    // cannot be activated by hand either. A supervised update has no KL bound unless one is
+    // given: a negative bound refuses any candidate
     let sft = [
         "train",
         "--algo",
@@ -352,13 +352,26 @@ fn import_train_activate_chat_and_roll_back_through_the_cli() {
     ]);
     assert!(out.contains("\"process_signal\""), "{out}");
     assert!(run(&["adapters", "rollback"]).contains("no adapter is active"));
+    // without a bound given, a supervised fit's gate is the value check alone: a warm start
+    // from the base model moves far by design (|approx KL| 0.64 here), and the KL is not what
+    // judges it (here the fresh value head's estimate refuses it)
+    let out = turnwise(&db)
+        .args(["train", "--algo", "sft", "--epochs", "3", "--activate"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = show(&out);
+    assert!(
+        text.contains("\"kl_bound\":null") && !text.contains("|approx KL|"),
+        "{text}"
+    );
     // nothing was lost on the way
     let store = Store::open(&db).unwrap();
     assert_eq!(store.sessions(None, 100).unwrap().len(), 13);
     assert_eq!(
         store.adapters().unwrap().len(),
-        4,
-        "sft refused, sft forced, value fit, grpo"
+        5,
+        "sft refused, sft forced, value fit, grpo, sft"
     );
 }
 

@@ -1444,3 +1444,51 @@ fn held_out_sessions_are_logged_but_never_learned_from() {
         2
     );
 }
+
+/// The sampler extensions an application with tools sends — digits taken greedily and the
+/// order-id slot limited to the ids the conversation holds — reach the sampler (the logged turn
+/// records them), and an id slot that is not a short list of digit strings is refused.
+#[test]
+fn id_slot_and_greedy_digits_reach_the_sampler_and_bad_slots_are_refused() {
+    let dir = tempdir();
+    let db = dir.path().join("slot.db");
+    let srv = Server::start(&db, &["--no-learn"]);
+    let a = &srv.addr;
+    let (s, r) = chat(
+        a,
+        json!({"messages": [{"role": "user", "content": "Refund order 48213, please."}],
+               "max_tokens": 8, "temperature": 0.7, "seed": 1, "session_id": "slot",
+               "greedy_digits": true, "id_slot": ["48213"]}),
+    );
+    assert_eq!(s, 200, "{r}");
+    let store = Store::open(&db).unwrap();
+    let sampler: String = store
+        .connection()
+        .query_row(
+            "SELECT t.sampler FROM turns t JOIN sessions s ON s.id = t.session_id
+             WHERE s.client_session_id = 'slot' AND t.role = 'assistant'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let sampler: Value = serde_json::from_str(&sampler).unwrap();
+    assert_eq!(sampler["greedy_digits"], true, "{sampler}");
+    assert_eq!(sampler["id_slot"], json!(["48213"]), "{sampler}");
+    for bad in [
+        json!(["12a"]),
+        json!([""]),
+        json!(["1".repeat(21)]),
+        json!(vec!["1"; 65]),
+    ] {
+        let (s, r) = chat(
+            a,
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                   "id_slot": bad}),
+        );
+        assert_eq!(s, 400, "{r}");
+        assert!(
+            r["error"]["message"].as_str().unwrap().contains("id_slot"),
+            "{r}"
+        );
+    }
+}

@@ -132,9 +132,12 @@ pub struct TrainArgs {
     /// With --activate: activate even when the gate refuses the candidate
     #[arg(long, requires = "activate")]
     force: bool,
-    /// The gate's bound on |approx KL| of the candidate to its parent
-    #[arg(long, default_value_t = gate::DEFAULT_KL_BOUND)]
-    gate_kl: f64,
+    /// The gate's bound on |approx KL| of the candidate to its parent [default: 0.2; none for
+    /// --algo sft, whose fit moves the policy to the demonstrations by design (a warm start
+    /// from the base model measured KL 1.3): its gate is the value check, unless a bound is
+    /// given]
+    #[arg(long)]
+    gate_kl: Option<f64>,
     /// Train a LoRA inside the last K blocks instead of the output-projection LoRA, from
     /// sessions logged with `--block-capture K`: RL algorithms update the active version's
     /// block LoRA (or a fresh one of rank --rank, alpha 2·rank) with the same objectives,
@@ -472,9 +475,14 @@ pub(super) fn gate_and_activate(
     if !args.activate {
         return Ok(ExitCode::SUCCESS);
     }
+    let bound = match (args.gate_kl, args.algo) {
+        (Some(b), _) => b,
+        (None, Algo::Sft) => f64::INFINITY,
+        (None, _) => gate::DEFAULT_KL_BOUND,
+    };
     let verdict = gate::decide(
         kl,
-        args.gate_kl,
+        bound,
         || {
             let cand = Adapter::load(&turnwise::adapter::adapter_dir(db, id))?;
             gate::value_check(store, &cand, parent, source, gate::VALUE_SESSIONS).map(Some)

@@ -19,7 +19,12 @@ const FONT_PATHS: &[&str] = &[
 ];
 
 /// Registers a system font with plotters once; `Err` says which package provides one.
-fn font() -> std::result::Result<(), String> {
+/// Registers a system TrueType font as plotters' `sans-serif` (once); an error names the
+/// package to install.
+///
+/// # Errors
+/// No font found.
+pub fn font() -> std::result::Result<(), String> {
     static DONE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     DONE.get_or_init(|| {
         for p in FONT_PATHS {

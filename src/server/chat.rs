@@ -44,9 +44,18 @@ pub(super) fn sampler(req: &ChatRequest, limit: usize) -> ApiResult<SamplerParam
         seed: req.seed.unwrap_or_else(rand_seed),
         stop,
         ignore_eog: req.ignore_eos,
-        greedy_digits: false,
-        id_slot: None,
+        greedy_digits: req.greedy_digits,
+        id_slot: req.id_slot.clone(),
     };
+    if let Some(ids) = &p.id_slot {
+        let ok =
+            |id: &String| (1..=20).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_digit());
+        if ids.len() > 64 || !ids.iter().all(ok) {
+            return Err(ApiError::bad(
+                "id_slot takes at most 64 ids of 1 to 20 ASCII digits",
+            ));
+        }
+    }
     if !(0.0..=2.0).contains(&p.temperature) || !(0.0..=1.0).contains(&p.top_p) || p.top_p == 0.0 {
         return Err(ApiError::bad(
             "temperature must be in [0, 2] and top_p in (0, 1]",

@@ -51,6 +51,15 @@ pub struct ChatRequest {
     /// OpenAI's end-user id, used as session id when `session_id` is absent
     #[serde(default)]
     pub user: Option<String>,
+    /// where the arg-max token writes only digits, take it instead of sampling (numbers such
+    /// as order ids are copied as greedy decoding copies them; extension)
+    #[serde(default)]
+    pub greedy_digits: bool,
+    /// the order-id slot of an `ACTION <verb> <id>` line may only spell one of these numbers
+    /// (the ids the conversation holds, as a tool schema's enum constrains an argument; at most
+    /// 64 ids of 1 to 20 digits; extension)
+    #[serde(default)]
+    pub id_slot: Option<Vec<String>>,
     /// `false`: no update ever learns from this session — held-out evaluation traffic; it stays
     /// held out for good once a request of the session says so (send it on the first one)
     /// (extension)
