@@ -501,6 +501,20 @@ mod tests {
             .collect()
     }
 
+    /// Both backends' step against the f64 reference `(loss, logp, ∂A, ∂B)`.
+    fn assert_backends_match(
+        what: &str,
+        cfg: &TrainConfig,
+        sft: bool,
+        mb: &Minibatch,
+        lora: (&Array2<f64>, &Array2<f64>, f64),
+        reference: (f64, &[f64], &Array2<f64>, &Array2<f64>),
+    ) {
+        for (be, out) in both_backends(cfg, sft, mb, lora) {
+            assert_step_matches(&format!("{what} {be:?}"), out, reference);
+        }
+    }
+
     /// Every ratio granularity and clip mode, with the KL and entropy terms and two untrainable
     /// tokens.
     #[test]
@@ -564,13 +578,14 @@ mod tests {
                         (l, gr)
                     },
                 );
-                for (be, out) in both_backends(&cfg, false, &mb, (&a, &b, scale)) {
-                    assert_step_matches(
-                        &format!("{g:?} {c:?} {be:?}"),
-                        out,
-                        (l_ref, &lp_ref, &da_ref, &db_ref),
-                    );
-                }
+                assert_backends_match(
+                    &format!("{g:?} {c:?}"),
+                    &cfg,
+                    false,
+                    &mb,
+                    (&a, &b, scale),
+                    (l_ref, &lp_ref, &da_ref, &db_ref),
+                );
             }
         }
     }
@@ -611,13 +626,14 @@ mod tests {
             },
         );
         let mut cfg = TrainConfig::preset(Algo::Sft);
-        for (be, out) in both_backends(&cfg, true, &mb, (&a, &b, scale)) {
-            assert_step_matches(
-                &format!("cross-entropy {be:?}"),
-                out,
-                (l_ref, &lp_ref, &da_ref, &db_ref),
-            );
-        }
+        assert_backends_match(
+            "cross-entropy",
+            &cfg,
+            true,
+            &mb,
+            (&a, &b, scale),
+            (l_ref, &lp_ref, &da_ref, &db_ref),
+        );
         let digit: Vec<bool> = (0..v).map(|i| i % 3 == 0).collect();
         let class: Vec<bool> = tokens.iter().map(|&k| digit[k]).collect();
         assert!(
@@ -638,13 +654,14 @@ mod tests {
         cfg.sft_digit_class = true;
         mb.digit_class = class;
         mb.digit_vocab = Some(Arc::new(digit));
-        for (be, out) in both_backends(&cfg, true, &mb, (&a, &b, scale)) {
-            assert_step_matches(
-                &format!("digit class {be:?}"),
-                out,
-                (l_ref, &lp_ref, &da_ref, &db_ref),
-            );
-        }
+        assert_backends_match(
+            "digit class",
+            &cfg,
+            true,
+            &mb,
+            (&a, &b, scale),
+            (l_ref, &lp_ref, &da_ref, &db_ref),
+        );
     }
 
     /// The clamp of log s at 10 cuts the gradient on both engines: on stale data a token with
