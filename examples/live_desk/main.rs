@@ -26,7 +26,14 @@
 //!    served and over wall time with Wilson intervals, a paired interval of end − start, every
 //!    update with the grouping it used and its gate verdict, latency of the customers' requests
 //!    while an update ran and otherwise, and the log checked against every reply a client
-//!    received.
+//!    received;
+//! 7. the offline replay (`--replay-sessions`, 96; 0 skips it, `--replay-only` runs it on an
+//!    earlier run's directory): the live log exported, imported into a fresh copy of the warm
+//!    start, trained with one `turnwise train` update and evaluated on the same held-out
+//!    customers — and the same from a log without log-probs or annotations (the live failures
+//!    mixed with expert transcripts), as another system's chats would be (`replay.rs`).
+//!
+//! `--pool DIR...` pools finished runs over their seeds (seeds, then scenarios resampled).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -42,7 +49,9 @@ use turnwise::env::{self, Desk, Observation, Scenario, Split};
 use turnwise::policy::sampler::Rng;
 use turnwise::store::Store;
 
+#[path = "../common/mod.rs"]
 mod common;
+mod replay;
 
 /// Sampling of the customers' sessions, as the demo's rollouts.
 const TEMPERATURE: f64 = 0.7;
@@ -50,6 +59,27 @@ const TEMPERATURE: f64 = 0.7;
 const MAX_TOKENS: usize = 32;
 /// The customer leaves after this many agent replies, as in the demo.
 const PATIENCE: usize = 5;
+
+/// `--help`.
+const USAGE: &str =
+    "live_desk: simulated customers talk to `turnwise serve` while it learns; held-out
+customers measure the served policy; then the live log is replayed offline (docs/live-desk.md)
+
+  --seed S              scenarios, sampling and the warm start's demonstrations (1)
+  --sessions N          customer sessions in all (400)
+  --clients K           customers at once, 1-8 (4)
+  --demos D             expert demonstrations for the warm start (40)
+  --eval E              held-out scenarios per evaluation (30)
+  --eval-every M        evaluate after every M customer sessions (100)
+  --learn-every L       serve's --learn-every (32)
+  --learn-sessions B    serve's --learn-sessions (128)
+  --replay-sessions R   sessions of the live log replayed offline; 0 skips the replay (96)
+  --replay-only         only the replay, on the finished run in --out
+  --out DIR             run directory (live-runs/seed<S>-<time>)
+  --bin PATH            the turnwise binary (the one beside this example)
+  -- SERVE ARGS         passed to turnwise serve
+  --pool DIR...         pool finished runs over their seeds and print the table
+";
 
 struct Opts {
     bin: PathBuf,
@@ -63,6 +93,9 @@ struct Opts {
     learn_every: usize,
     learn_sessions: usize,
     serve: Vec<String>,
+    replay_sessions: usize,
+    replay_only: bool,
+    pool: Vec<PathBuf>,
 }
 
 fn opts() -> anyhow::Result<Opts> {
@@ -78,6 +111,9 @@ fn opts() -> anyhow::Result<Opts> {
         learn_every: 32,
         learn_sessions: 128,
         serve: Vec::new(),
+        replay_sessions: 96,
+        replay_only: false,
+        pool: Vec::new(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -93,11 +129,18 @@ fn opts() -> anyhow::Result<Opts> {
             "--eval-every" => o.eval_every = value()?.parse()?,
             "--learn-every" => o.learn_every = value()?.parse()?,
             "--learn-sessions" => o.learn_sessions = value()?.parse()?,
+            "--replay-sessions" => o.replay_sessions = value()?.parse()?,
+            "--replay-only" => o.replay_only = true,
+            "--pool" => {
+                o.pool = args.by_ref().map(PathBuf::from).collect();
+                return Ok(o);
+            }
             "--" => o.serve = args.by_ref().collect(),
-            other => bail!(
-                "unknown argument {other}; use --seed S --sessions N --clients K --demos D --eval E \
-                 --eval-every M --learn-every L --learn-sessions B --out DIR --bin PATH [-- SERVE ARGS]"
-            ),
+            "-h" | "--help" => {
+                print!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other}\n\n{USAGE}"),
         }
     }
     if !(1..=8).contains(&o.clients) {
@@ -292,18 +335,21 @@ fn customer(addr: String, seed: u64, budget: usize, sh: Arc<Shared>, t0: Instant
     }
 }
 
+/// A conversation's messages as the import format writes them.
+fn wire_messages(c: &turnwise::replay::Conversation) -> Vec<Value> {
+    c.messages
+        .iter()
+        .map(|m| json!({"role": m.role.as_str(), "content": m.content}))
+        .collect()
+}
+
 /// The warm start a user would run: the expert's demonstrations imported and fitted.
 fn warm_start(o: &Opts, dir: &Path, db: &Path) -> anyhow::Result<()> {
     let mut rng = Rng::new(o.seed ^ 0x5741_524d);
     let mut lines = String::new();
     for _ in 0..o.demos {
         let c = expert_conversation(&env::scenario(&mut rng, Split::Train), PATIENCE);
-        let messages: Vec<Value> = c
-            .messages
-            .iter()
-            .map(|m| json!({"role": m.role.as_str(), "content": m.content}))
-            .collect();
-        let line = json!({"messages": messages, "outcome": c.outcome, "group": c.group,
+        let line = json!({"messages": wire_messages(&c), "outcome": c.outcome, "group": c.group,
                           "reference": c.reference, "metadata": c.metadata});
         writeln!(lines, "{line}")?;
     }
@@ -416,6 +462,21 @@ fn plot(
 
 fn main() -> anyhow::Result<()> {
     let o = opts()?;
+    if !o.pool.is_empty() {
+        return replay::pool(&o.pool);
+    }
+    if o.replay_only {
+        let dir = o
+            .out
+            .clone()
+            .context("--replay-only needs --out DIR of a finished run")?;
+        let p = dir.join("result.json");
+        let text =
+            std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+        let mut result: Value = serde_json::from_str(&text)?;
+        result["replay"] = replay::replay(&o, &dir, &result)?;
+        return write_report(&dir, &result);
+    }
     let dir = o.out.clone().unwrap_or_else(|| {
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -474,17 +535,39 @@ fn main() -> anyhow::Result<()> {
     result["acknowledged_replies"] = json!(acked.len());
     result["lost_replies"] = json!(lost);
     result["updates"] = updates(&store)?;
-    std::fs::write(
-        dir.join("result.json"),
-        serde_json::to_string_pretty(&result)?,
-    )?;
-    let md = markdown(&result);
-    std::fs::write(dir.join("report.md"), &md)?;
-    println!("{md}");
+    drop(store);
+    write_report(&dir, &result)?;
     if lost > 0 {
         bail!("{lost} acknowledged replies are missing from the log");
     }
+    if o.replay_sessions > 0 {
+        result["replay"] = replay::replay(&o, &dir, &result)?;
+        write_report(&dir, &result)?;
+    }
     Ok(())
+}
+
+/// Writes `result.json` and `report.md` and prints the report.
+fn write_report(dir: &Path, result: &Value) -> anyhow::Result<()> {
+    std::fs::write(
+        dir.join("result.json"),
+        serde_json::to_string_pretty(result)?,
+    )?;
+    let mut md = markdown(result);
+    if result["replay"].is_object() {
+        md.push_str(&replay::markdown(&result["replay"]));
+    }
+    std::fs::write(dir.join("report.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+/// The held-out customers of a seed: the same scenarios at every evaluation and in the replay.
+fn held_out_scenarios(o: &Opts) -> Vec<Scenario> {
+    let mut rng = Rng::new(o.seed ^ 0x4845_4c44);
+    (0..o.eval)
+        .map(|_| env::scenario(&mut rng, Split::HeldOut))
+        .collect()
 }
 
 /// Every update the server ran: the sessions and grouping it used, its KL and the gate's verdict.
@@ -533,10 +616,7 @@ struct Report {
 }
 
 fn run(o: &Opts, dir: &Path, addr: &str) -> anyhow::Result<Report> {
-    let mut rng = Rng::new(o.seed ^ 0x4845_4c44);
-    let held_out: Vec<Scenario> = (0..o.eval)
-        .map(|_| env::scenario(&mut rng, Split::HeldOut))
-        .collect();
+    let held_out = held_out_scenarios(o);
     let sh = Arc::new(Shared::default());
     let t0 = Instant::now();
     let mut evals = vec![evaluate(addr, "start", &held_out, &sh, t0)?];
