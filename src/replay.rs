@@ -119,7 +119,9 @@ pub fn parse_line(bytes: &[u8]) -> std::result::Result<Conversation, String> {
         if content.contains('\0') {
             return Err(format!("message {i}: contains a NUL character"));
         }
-        if content.trim().is_empty() && role != Role::Tool {
+        // an empty reply is something a policy does (it ended its turn at once) and what
+        // Turnwise's own export writes for it; an empty system or user message is not a chat
+        if content.trim().is_empty() && !matches!(role, Role::Tool | Role::Assistant) {
             return Err(format!("message {i}: empty {} message", role.as_str()));
         }
         if role == Role::System && i != 0 {

@@ -122,6 +122,14 @@ fn import_reports_bad_lines_keeps_good_ones_and_does_not_duplicate() {
     data.push(b'\n');
     data.extend_from_slice(br#"{"messages":[{"role":"user","content":"Where is 777?"},{"role":"assistant","content":null,"tool_calls":[{"type":"function","function":{"name":"lookup","arguments":"{\"id\":777}"}}]},{"role":"tool","content":"shipped"},{"role":"assistant","content":"It has shipped."}],"outcome":0.5}"#);
     data.push(b'\n');
+    // a policy that ended its turn at once left an empty reply: a chat (and what export writes)
+    data.extend_from_slice(br#"{"messages":[{"role":"user","content":"Cancel order 4242."},{"role":"assistant","content":""}],"outcome":0,"group":"empty"}"#);
+    data.push(b'\n');
+    // an empty customer message is not
+    data.extend_from_slice(
+        br#"{"messages":[{"role":"user","content":"  "},{"role":"assistant","content":"Hello?"}]}"#,
+    );
+    data.push(b'\n');
     std::fs::write(&file, &data).unwrap();
 
     let out = turnwise(&db).arg("import").arg(&file).output().unwrap();
@@ -137,6 +145,7 @@ fn import_reports_bad_lines_keeps_good_ones_and_does_not_duplicate() {
         (3, "unknown role"),
         (4, "UTF-8"),
         (5, "context"),
+        (8, "empty user message"),
     ] {
         assert!(
             stderr.contains(&format!("line {line}: skipped")) && stderr.contains(why),
@@ -146,14 +155,14 @@ fn import_reports_bad_lines_keeps_good_ones_and_does_not_duplicate() {
     }
     assert!(
         String::from_utf8_lossy(&out.stdout)
-            .contains("imported 2 sessions, 0 already present, 4 lines skipped"),
+            .contains("imported 3 sessions, 0 already present, 5 lines skipped"),
         "{}",
         show(&out)
     );
 
     let store = Store::open(&db).unwrap();
     let sessions = store.sessions(None, 10).unwrap();
-    assert_eq!(sessions.len(), 2);
+    assert_eq!(sessions.len(), 3);
     let refund = sessions
         .iter()
         .find(|s| s.group_key.as_deref() == Some("refund"))
@@ -168,21 +177,33 @@ fn import_reports_bad_lines_keeps_good_ones_and_does_not_duplicate() {
     assert!(lp.logp_full.iter().all(|x| x.is_finite() && *x <= 0.0));
     assert!(store.features(a.id).unwrap().is_some());
     let tool = store
-        .turns(sessions.iter().find(|s| s.id != refund.id).unwrap().id)
+        .turns(sessions.iter().find(|s| s.group_key.is_none()).unwrap().id)
         .unwrap();
     assert!(tool[1].text.contains("<tool_call>"));
+    // the empty reply is rescored like any other: its end-of-turn token has a log-prob
+    let empty = sessions
+        .iter()
+        .find(|s| s.group_key.as_deref() == Some("empty"))
+        .unwrap();
+    let reply = &store.turns(empty.id).unwrap()[1];
+    assert_eq!(
+        (reply.text.as_str(), reply.behavior),
+        ("", Some(Behavior::Rescored))
+    );
+    let lp = store.token_logprobs(reply.id).unwrap().unwrap();
+    assert!(!lp.logp_full.is_empty() && lp.logp_full.iter().all(|x| x.is_finite()));
     drop(store);
 
     // importing the same file again adds nothing
     let again = turnwise(&db).arg("import").arg(&file).output().unwrap();
     assert!(
-        String::from_utf8_lossy(&again.stdout).contains("imported 0 sessions, 2 already present"),
+        String::from_utf8_lossy(&again.stdout).contains("imported 0 sessions, 3 already present"),
         "{}",
         show(&again)
     );
     assert_eq!(
         Store::open(&db).unwrap().sessions(None, 10).unwrap().len(),
-        2
+        3
     );
 
     // export writes the import format back; re-importing the export finds duplicates only
@@ -194,11 +215,11 @@ fn import_reports_bad_lines_keeps_good_ones_and_does_not_duplicate() {
         .unwrap();
     assert!(ex.status.success(), "{}", show(&ex));
     let text = std::fs::read_to_string(&exported).unwrap();
-    assert_eq!(text.lines().count(), 2);
+    assert_eq!(text.lines().count(), 3);
     let back = turnwise(&db).arg("import").arg(&exported).output().unwrap();
     assert!(back.status.success(), "{}", show(&back));
     assert!(
-        String::from_utf8_lossy(&back.stdout).contains("imported 0 sessions, 2 already present"),
+        String::from_utf8_lossy(&back.stdout).contains("imported 0 sessions, 3 already present"),
         "{}",
         show(&back)
     );
@@ -520,7 +541,7 @@ fn a_replayed_update_measures_again_and_writes_nothing() {
     for i in 0..8 {
         let id = 30000 + i * 11;
         lines.push_str(&format!(
-            "{{\"messages\":[{{\"role\":\"user\",\"content\":\"Where is order {id}?\"}},{{\"role\":\"assistant\",\"content\":\"Let me check.\"}},{{\"role\":\"user\",\"content\":\"Thanks.\"}},{{\"role\":\"assistant\",\"content\":\"ACTION status {id}\"}}],\"outcome\":{}}}\n",
+            "{{\"messages\":[{{\"role\":\"user\",\"content\":\"Where is order {id}?\"}},{{\"role\":\"assistant\",\"content\":\"Let me check.\"}},{{\"role\":\"user\",\"content\":\"Thanks.\"}},{{\"role\":\"assistant\",\"content\":\"ACTION status {id}\"}}],\"outcome\":{},\"group\":\"status\"}}\n",
             i % 2
         ));
     }

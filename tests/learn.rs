@@ -978,3 +978,94 @@ fn rollouts_at_temperature_07_are_the_policy_the_learner_optimises() {
     assert_eq!(d.first_ratio_max_dev, Some(0.0), "{d}");
     assert_eq!(d.sampling_temperatures, vec![0.7f32], "{d}");
 }
+
+/// Live sessions are grouped by their opening state. On the default model the raw states of
+/// any two desk openings are nearly parallel (one shared direction dominates), so clustering
+/// must compare them relative to their mean: then openings of one request land together and
+/// requests do not mix.
+#[test]
+fn opening_states_cluster_by_request_once_centred() {
+    use turnwise::env::{self, Split, INTENTS};
+    use turnwise::learn::groups::{centre, cosine, leader_assign};
+    let engine = fresh_engine();
+    let mut rng = Rng::new(11);
+    let p = SamplerParams {
+        max_tokens: 1,
+        seed: 0,
+        ..Default::default()
+    };
+    let (mut states, mut intents) = (Vec::new(), Vec::new());
+    for (k, &intent) in INTENTS.iter().enumerate() {
+        for i in 0..4 {
+            let s = env::scenario_for(&mut rng, Split::Train, intent);
+            let g = engine
+                .generate(
+                    (10 * k + i) as u64,
+                    vec![
+                        Message::new(Role::System, env::SYSTEM_PROMPT),
+                        Message::new(Role::User, &s.opening()),
+                    ],
+                    p.clone(),
+                    None,
+                )
+                .unwrap();
+            let width = g.reply.hidden.len() / g.reply.tokens.len();
+            states.push(g.reply.hidden[..width].to_vec());
+            intents.push(k);
+        }
+    }
+    let pairs = |f: &dyn Fn(&[f32], &[f32]) -> f64| {
+        let (mut same, mut other) = (Vec::new(), Vec::new());
+        for i in 0..states.len() {
+            for j in i + 1..states.len() {
+                let c = f(&states[i], &states[j]);
+                if intents[i] == intents[j] {
+                    same.push(c)
+                } else {
+                    other.push(c)
+                }
+            }
+        }
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        let min = other.iter().cloned().fold(f64::INFINITY, f64::min);
+        (mean(&same), mean(&other), min)
+    };
+    let raw = pairs(&|a, b| cosine(a, b));
+    let c = centre(&[], &states);
+    let sub = |v: &[f32]| -> Vec<f32> { v.iter().zip(&c).map(|(x, m)| x - m).collect() };
+    let centred = pairs(&|a, b| cosine(&sub(a), &sub(b)));
+    eprintln!(
+        "raw cosine: same request {:.3}, other {:.3} (min {:.3}); centred: {:.3}, {:.3}",
+        raw.0, raw.1, raw.2, centred.0, centred.1
+    );
+    // the raw states are nearly parallel across requests: a threshold on them cannot separate
+    assert!(raw.2 > 0.8, "{raw:?}");
+    // centred, the request is what the states share
+    assert!(centred.0 > centred.1 + 0.3, "{centred:?}");
+    let idx = leader_assign(
+        &mut Vec::new(),
+        &states,
+        TrainConfig::preset(Algo::A2tgpo).cluster_threshold.unwrap(),
+    );
+    let clusters = idx.iter().max().unwrap() + 1;
+    let mixed = (0..clusters)
+        .filter(|&k| {
+            let mut kinds: Vec<usize> = (0..idx.len())
+                .filter(|&i| idx[i] == k)
+                .map(|i| intents[i])
+                .collect();
+            kinds.sort_unstable();
+            kinds.dedup();
+            kinds.len() > 1
+        })
+        .count();
+    eprintln!(
+        "{} openings → {clusters} clusters {idx:?}, {mixed} mixing requests",
+        idx.len()
+    );
+    assert!(
+        clusters < states.len() && clusters >= INTENTS.len() - 1,
+        "{idx:?}"
+    );
+    assert!(mixed <= 1, "{idx:?} {intents:?}");
+}

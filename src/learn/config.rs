@@ -369,7 +369,7 @@ impl TrainConfig {
             value_coef: 0.5,
             seed: 0,
             sft_min_outcome: None,
-            cluster_threshold: Some(0.9),
+            cluster_threshold: Some(0.5),
             backend: Backend::Ort,
             device: Device::Cpu,
             threads: 2,
