@@ -1003,7 +1003,7 @@ fn opening_states_cluster_by_request_once_centred() {
                     (10 * k + i) as u64,
                     vec![
                         Message::new(Role::System, env::SYSTEM_PROMPT),
-                        Message::new(Role::User, &s.opening()),
+                        Message::new(Role::User, s.opening()),
                     ],
                     p.clone(),
                     None,

@@ -194,7 +194,7 @@ pub fn replay(o: &Opts, dir: &Path, live: &Value) -> anyhow::Result<Value> {
         );
         turnwise(o, &db, &["import", &file.display().to_string()], &[])?;
         let limit = log.len().to_string();
-        let (code, stdout) = turnwise(
+        let (_, stdout) = turnwise(
             o,
             &db,
             &[
@@ -206,8 +206,9 @@ pub fn replay(o: &Opts, dir: &Path, live: &Value) -> anyhow::Result<Value> {
                 "--limit",
                 &limit,
                 "--activate",
+                "--force",
             ],
-            &[3],
+            &[],
         )?;
         let candidate: Option<i64> = stdout
             .lines()
@@ -226,11 +227,9 @@ pub fn replay(o: &Opts, dir: &Path, live: &Value) -> anyhow::Result<Value> {
                 serde_json::from_str(&rest[..end + 2]).ok()
             })
             .unwrap_or(Value::Null);
-        // a refused candidate is still measured (activated by hand), and says so
-        let forced = code == 3;
-        if let (true, Some(id)) = (forced, candidate) {
-            turnwise(o, &db, &["adapters", "activate", &id.to_string()], &[])?;
-        }
+        // a refused candidate is still measured: `--force` activates it past the gate (by hand
+        // it could not be: a refused candidate is rejected), and the report says so
+        let forced = gate["passed"] == json!(false);
         let (adapter, success) = evaluate_db(o, &db, name)?;
         let (gain, lo, hi) = paired_bootstrap(&baseline, &success, 10_000, o.seed);
         println!(
