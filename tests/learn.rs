@@ -1069,3 +1069,56 @@ fn opening_states_cluster_by_request_once_centred() {
     );
     assert!(mixed <= 1, "{idx:?} {intents:?}");
 }
+
+/// An imported log carries the base model's rescoring as its log-probs, not the policy being
+/// updated: trained on a warm-started adapter, the update's ratio starts at 1 (the old policy is
+/// the parent), and the base log-probs stay behind as the behaviour policy.
+#[test]
+fn an_imported_log_trained_on_a_warm_start_starts_at_ratio_one() {
+    let dir = tempdir();
+    let db = dir.path().join("imported.db");
+    let mut store = Store::open(&db).unwrap();
+    let engine = fresh_engine();
+    let mut lines = String::new();
+    for i in 0..16u64 {
+        let oid = 20000 + 37 * i;
+        let (action, outcome) = if i % 2 == 0 {
+            ("refund", 1)
+        } else {
+            ("cancel", 0)
+        };
+        let chat = serde_json::json!({"group": format!("g{}", i / 4), "messages": [
+            {"role": "system", "content": "Reply with one action line."},
+            {"role": "user", "content": format!("Please refund order {oid}.")},
+            {"role": "assistant", "content": format!("ACTION {action} {oid}")}],
+            "outcome": outcome});
+        lines.push_str(&chat.to_string());
+        lines.push('\n');
+    }
+    let sum =
+        turnwise::replay::import_jsonl(&engine, &mut store, lines.as_bytes(), |_, _| {}).unwrap();
+    assert_eq!(sum.imported, 16, "{:?}", sum.skipped);
+    drop(engine);
+
+    let mut sft = TrainConfig::preset(Algo::Sft);
+    sft.epochs = 10;
+    let w = train(&mut store, &db, None, &sft).unwrap();
+    let wid = w.adapter_id.unwrap();
+    let warm = Arc::new(Adapter::load(&adapter_dir(&db, wid)).unwrap());
+    let r = train(
+        &mut store,
+        &db,
+        Some((wid, warm)),
+        &TrainConfig::preset(Algo::A2tgpo),
+    )
+    .unwrap();
+    let d = &r.diagnostics;
+    eprintln!("{d}");
+    assert!(d.first_ratio_max_dev.is_some_and(|x| x < 1e-6), "{d}");
+    // a small step from the parent, inside the gate's default bound (with the base model as
+    // the old policy the candidate's approx KL was -3.2 and its k3 1e5)
+    assert!(d.approx_kl.abs() < 0.2, "{d}");
+    // the warm start moved the policy away from the base model's rescoring: the stored
+    // behaviour log-probs are not the old policy's
+    assert!(d.logp_old_vs_behavior_mean > 0.05, "{d}");
+}

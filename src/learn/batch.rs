@@ -147,6 +147,8 @@ pub(super) struct TurnData {
     /// per token, where the behaviour distribution had its mass (empty: the whole softmax)
     pub(super) support: Vec<Support>,
     pub(super) adapter_id: Option<i64>,
+    /// not sampled here: an import, scored once by the frozen base model
+    pub(super) rescored: bool,
 }
 
 pub(super) struct SessionData {
@@ -221,6 +223,7 @@ pub(super) fn load_sessions(
                 temperature,
                 support,
                 adapter_id: t.adapter_id,
+                rescored: t.behavior == Some(crate::store::Behavior::Rescored),
             });
         }
         if turns.is_empty() {

@@ -1,6 +1,7 @@
 //! The minibatch stage of an update: the kept sessions cut into minibatches, each with its
 //! base logits (tempered and restricted to the sampler's support as each token was sampled),
-//! the reference log-probs and the old log-probs under the adapter that generated each turn.
+//! the reference log-probs and the old log-probs under the adapter that generated each turn
+//! (under the adapter being updated for imported turns, which no adapter of ours generated).
 
 use std::collections::HashMap;
 
@@ -25,6 +26,29 @@ fn token_learns(cfg: &TrainConfig, adv: f64, is_digit: impl FnOnce() -> bool) ->
 /// A logit value no token of a support can lose to: `exp` of it is 0 in f32, and `0 · it` is 0
 /// (an infinity would make the entropy term NaN).
 pub(crate) const EXCLUDED: f32 = -1e9;
+
+/// The policy a turn's ratio starts from (PPO's "old" policy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum OldPolicy {
+    /// the stored adapter that sampled the turn
+    Adapter(i64),
+    /// the base model, which sampled the turn with no adapter
+    Base,
+    /// the adapter being updated: for imported turns, whose sampler is unknown. Their stored
+    /// log-probs are the frozen base model's rescoring, which is not the policy being moved;
+    /// taking it as "old" would start the ratio at π_parent / π_base (10⁶ after a warm start)
+    Parent,
+}
+
+impl OldPolicy {
+    fn of(turn: &super::batch::TurnData) -> Self {
+        match (turn.rescored, turn.adapter_id) {
+            (true, _) => OldPolicy::Parent,
+            (false, Some(id)) => OldPolicy::Adapter(id),
+            (false, None) => OldPolicy::Base,
+        }
+    }
+}
 
 /// Log-softmax of each row of `z` at its token.
 pub(super) fn log_softmax_at(z: &Array2<f32>, tokens: &[usize]) -> Vec<f64> {
@@ -199,7 +223,7 @@ pub(super) fn score_minibatches(
                 }
                 mb.tokens.extend_from_slice(&turn.tokens);
                 rows.extend(turn.h.iter().copied());
-                gens.push((turn.adapter_id, turn.tokens.len()));
+                gens.push((OldPolicy::of(turn), turn.tokens.len()));
             }
         }
         mb.h = Array2::from_shape_vec((mb.tokens.len(), n_embd), rows)
@@ -283,12 +307,18 @@ pub(super) fn score_minibatches(
             };
             mb.batch.logp_ref = backend.logp(&mb, w)?;
         }
-        // logp_old per turn under the adapter that generated it, computed by the same step
-        // engine as the new log-probs (so the first ratio of the update is exactly 1)
-        let mut by_gen: HashMap<Option<i64>, Vec<f64>> = HashMap::new();
+        // logp_old per turn under the adapter that generated it (the adapter being updated for
+        // imports), computed by the same step engine as the new log-probs (so the first ratio
+        // of the update is exactly 1 on the turns the parent generated)
+        let mut by_gen: HashMap<OldPolicy, Vec<f64>> = HashMap::new();
         for (gen, _) in &gens {
             if !by_gen.contains_key(gen) {
-                let (a, b, scale, block) = match gen.and_then(|g| generators.get(&g)) {
+                let generator = match gen {
+                    OldPolicy::Adapter(id) => generators.get(id),
+                    OldPolicy::Parent => Some(current),
+                    OldPolicy::Base => None,
+                };
+                let (a, b, scale, block) = match generator {
                     Some(ad) => (
                         ad.a.view(),
                         ad.b.view(),
