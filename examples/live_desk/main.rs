@@ -74,7 +74,8 @@ customers measure the served policy; then the live log is replayed offline (docs
   --learn-every L       serve's --learn-every (32)
   --learn-sessions B    serve's --learn-sessions (128)
   --replay-sessions R   sessions of the live log replayed offline; 0 skips the replay (96)
-  --replay-only         only the replay, on the finished run in --out
+  --replay-only         only the replay, on the finished run in --out (its own seed,
+                        demonstrations and held-out count)
   --out DIR             run directory (live-runs/seed<S>-<time>)
   --bin PATH            the turnwise binary (the one beside this example)
   -- SERVE ARGS         passed to turnwise serve
@@ -461,7 +462,7 @@ fn plot(
 }
 
 fn main() -> anyhow::Result<()> {
-    let o = opts()?;
+    let mut o = opts()?;
     if !o.pool.is_empty() {
         return replay::pool(&o.pool);
     }
@@ -474,6 +475,23 @@ fn main() -> anyhow::Result<()> {
         let text =
             std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
         let mut result: Value = serde_json::from_str(&text)?;
+        // the run's own settings, not the flags' defaults: the seed draws the demonstrations
+        // and the held-out scenarios the replay is compared on
+        let setting = |key: &str| {
+            result[key]
+                .as_u64()
+                .with_context(|| format!("{} has no `{key}`", p.display()))
+        };
+        o.seed = setting("seed")?;
+        o.demos = usize::try_from(setting("demos")?)?;
+        o.eval = usize::try_from(setting("eval_scenarios")?)?;
+        println!(
+            "replay of {}: seed {}, {} demonstrations, {} held-out scenarios (the run's own)",
+            dir.display(),
+            o.seed,
+            o.demos,
+            o.eval
+        );
         result["replay"] = replay::replay(&o, &dir, &result)?;
         return write_report(&dir, &result);
     }
