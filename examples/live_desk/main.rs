@@ -72,7 +72,9 @@ customers measure the served policy; then the live log is replayed offline (docs
   --eval E              held-out scenarios per evaluation (30)
   --eval-every M        evaluate after every M customer sessions (100)
   --learn-every L       serve's --learn-every (32)
-  --learn-sessions B    serve's --learn-sessions (128)
+  --learn-sessions B    serve's --learn-sessions (64)
+  --learn-nice N        serve's --learn-nice (0: the desk keeps the cores saturated, and at
+                        nice 19 the learner made two updates in 400 sessions)
   --replay-sessions R   sessions of the live log replayed offline; 0 skips the replay (96)
   --replay-only         only the replay, on the finished run in --out (its own seed,
                         demonstrations and held-out count)
@@ -93,6 +95,7 @@ struct Opts {
     eval_every: usize,
     learn_every: usize,
     learn_sessions: usize,
+    learn_nice: i32,
     serve: Vec<String>,
     replay_sessions: usize,
     replay_only: bool,
@@ -110,7 +113,8 @@ fn opts() -> anyhow::Result<Opts> {
         eval: 30,
         eval_every: 100,
         learn_every: 32,
-        learn_sessions: 128,
+        learn_sessions: 64,
+        learn_nice: 0,
         serve: Vec::new(),
         replay_sessions: 96,
         replay_only: false,
@@ -130,6 +134,7 @@ fn opts() -> anyhow::Result<Opts> {
             "--eval-every" => o.eval_every = value()?.parse()?,
             "--learn-every" => o.learn_every = value()?.parse()?,
             "--learn-sessions" => o.learn_sessions = value()?.parse()?,
+            "--learn-nice" => o.learn_nice = value()?.parse()?,
             "--replay-sessions" => o.replay_sessions = value()?.parse()?,
             "--replay-only" => o.replay_only = true,
             "--pool" => {
@@ -529,6 +534,8 @@ fn main() -> anyhow::Result<()> {
         o.learn_every.to_string(),
         "--learn-sessions".into(),
         o.learn_sessions.to_string(),
+        "--learn-nice".into(),
+        o.learn_nice.to_string(),
     ];
     serve_args.extend(o.serve.iter().cloned());
     let (mut child, addr) = common::start_server(&o.bin, &db, &serve_args)?;
@@ -758,7 +765,7 @@ fn run(o: &Opts, dir: &Path, addr: &str) -> anyhow::Result<Report> {
             "idle": {"n": idle.len(), "p50": common::percentile(&idle, 50.0), "p95": common::percentile(&idle, 95.0)},
             "during_updates": {"n": during.len(), "p50": common::percentile(&during, 50.0), "p95": common::percentile(&during, 95.0)},
         },
-        "command": format!("cargo run --release --example live_desk -- --seed {} --sessions {} --clients {} --eval {} --eval-every {} --learn-every {} --learn-sessions {}", o.seed, o.sessions, o.clients, o.eval, o.eval_every, o.learn_every, o.learn_sessions),
+        "command": format!("cargo run --release --example live_desk -- --seed {} --sessions {} --clients {} --eval {} --eval-every {} --learn-every {} --learn-sessions {} --learn-nice {}", o.seed, o.sessions, o.clients, o.eval, o.eval_every, o.learn_every, o.learn_sessions, o.learn_nice),
     });
     let acknowledged = lock(&sh.acknowledged).clone();
     Ok(Report { json, acknowledged })

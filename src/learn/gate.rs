@@ -26,7 +26,9 @@ use crate::store::{AdapterStatus, Source, Store};
 /// 0.007–0.03 (docs/results.md, "Offline replay").
 pub const DEFAULT_KL_BOUND: f64 = 0.2;
 
-/// How much the value head's mean estimate may fall before a candidate is refused.
+/// How much worse the value head may get before a candidate is refused: its Brier score on
+/// sessions with an outcome may rise by this much, or, where no read session has an outcome,
+/// its mean estimate may fall by this much.
 pub const VALUE_TOLERANCE: f64 = 0.02;
 
 /// Logged sessions whose assistant turns the value check reads.
@@ -52,8 +54,10 @@ pub struct Validation {
     pub scenarios: usize,
 }
 
-/// The value head's mean success estimate over logged assistant turns, for the candidate and
-/// for its parent (0.5 for no parent: an untrained head's prior).
+/// The value head on logged assistant turns, for the candidate and for its parent (0.5 for no
+/// parent: an untrained head's prior): the mean success estimate over every turn read, and the
+/// Brier score — mean of (estimate − outcome)², the outcome clamped to [0, 1] as the head is
+/// trained — over the turns of sessions whose outcome is known.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct ValueCheck {
     /// candidate's mean estimate
@@ -62,6 +66,37 @@ pub struct ValueCheck {
     pub value_old: f64,
     /// turns read
     pub turns: usize,
+    /// candidate's Brier score on the labelled turns (0 when there are none)
+    pub brier_new: f64,
+    /// parent's Brier score on the labelled turns (0 when there are none)
+    pub brier_old: f64,
+    /// turns of sessions with an outcome
+    pub labelled_turns: usize,
+}
+
+impl ValueCheck {
+    /// Why the candidate's head is worse than its parent's, if it is: on labelled turns the
+    /// Brier score may rise by at most [`VALUE_TOLERANCE`]; with none, the mean estimate may
+    /// fall by at most as much. A head that learns the real success rate lowers its mean
+    /// estimate and its Brier score together: judged by calibration it passes, judged by the
+    /// mean it would be refused.
+    pub fn regression(&self) -> Option<String> {
+        if self.labelled_turns > 0 {
+            (!(self.brier_new <= self.brier_old + VALUE_TOLERANCE)).then(|| {
+                format!(
+                    "value head's Brier score {:.4} > parent's {:.4} + {VALUE_TOLERANCE} on {} labelled turns",
+                    self.brier_new, self.brier_old, self.labelled_turns
+                )
+            })
+        } else {
+            (!(self.value_new >= self.value_old - VALUE_TOLERANCE)).then(|| {
+                format!(
+                    "value estimate {:.3} < parent's {:.3} − {VALUE_TOLERANCE} (no labelled turns)",
+                    self.value_new, self.value_old
+                )
+            })
+        }
+    }
 }
 
 /// What the gate measured and decided.
@@ -90,8 +125,8 @@ pub fn kl_passes(kl: f64, bound: f64) -> bool {
     kl.abs().is_finite() && kl.abs() <= bound
 }
 
-/// The verdict from what was measured: the KL bound, then the value check (the candidate's
-/// mean estimate may fall at most [`VALUE_TOLERANCE`] below the parent's), then validation
+/// The verdict from what was measured: the KL bound, then the value check
+/// ([`ValueCheck::regression`]), then validation
 /// (the candidate's greedy success must beat the active adapter's, or tie it with a reward at
 /// least as high).
 pub fn judge(
@@ -103,11 +138,8 @@ pub fn judge(
     let kl = kl.abs();
     let reason = if !kl_passes(kl, kl_bound) {
         Some(format!("|approx KL| {kl:.4} > {kl_bound}"))
-    } else if let Some(v) = value.filter(|v| v.value_new < v.value_old - VALUE_TOLERANCE) {
-        Some(format!(
-            "value estimate {:.3} < parent's {:.3} − {VALUE_TOLERANCE}",
-            v.value_new, v.value_old
-        ))
+    } else if let Some(why) = value.and_then(|v| v.regression()) {
+        Some(why)
     } else {
         validation
             .filter(|v| {
@@ -167,25 +199,43 @@ pub fn value_check(
     sessions: usize,
 ) -> Result<ValueCheck> {
     let (mut v_new, mut v_old, mut n) = (0.0, 0.0, 0usize);
+    let (mut b_new, mut b_old, mut labelled) = (0.0, 0.0, 0usize);
     for s in store.training_sessions(source, None, false, sessions)? {
+        let target = s
+            .outcome_reward
+            .filter(|r| r.is_finite())
+            .map(super::annotate::success_target);
         for t in store
             .turns(s.id)?
             .into_iter()
             .filter(|t| t.role == Role::Assistant)
         {
             if let Some(f) = store.features(t.id)? {
-                let h = &f.values[..f.n_embd];
-                v_new += f64::from(candidate.value(h));
-                v_old += parent.map_or(0.5, |p| f64::from(p.value(h)));
+                let Some(h) = f.values.get(..f.n_embd) else {
+                    continue;
+                };
+                let new = f64::from(candidate.value(h));
+                let old = parent.map_or(0.5, |p| f64::from(p.value(h)));
+                v_new += new;
+                v_old += old;
                 n += 1;
+                if let Some(y) = target {
+                    b_new += (new - y).powi(2);
+                    b_old += (old - y).powi(2);
+                    labelled += 1;
+                }
             }
         }
     }
     let d = n.max(1) as f64;
+    let dl = labelled.max(1) as f64;
     Ok(ValueCheck {
         value_new: v_new / d,
         value_old: v_old / d,
         turns: n,
+        brier_new: b_new / dl,
+        brier_old: b_old / dl,
+        labelled_turns: labelled,
     })
 }
 
@@ -322,15 +372,34 @@ mod tests {
         let r = judge(0.3, 0.2, None, None);
         assert!(!r.passed && r.reason.as_deref().unwrap_or("").contains("KL"));
         assert!(!judge(f64::NAN, 0.2, None, None).passed);
-        // value: 0.48 against 0.5 is within the 0.02 tolerance, 0.47 is not
+        // value, no labelled turns: 0.485 against 0.5 is within the 0.02 tolerance, 0.47 is not
         let v = |new, old| ValueCheck {
             value_new: new,
             value_old: old,
             turns: 10,
+            brier_new: 0.0,
+            brier_old: 0.0,
+            labelled_turns: 0,
         };
         assert!(judge(0.0, 0.2, Some(v(0.485, 0.5)), None).passed);
         let r = judge(0.0, 0.2, Some(v(0.47, 0.5)), None);
         assert!(!r.passed && r.reason.as_deref().unwrap_or("").contains("value"));
+        // value, labelled turns: the Brier score decides, not the mean — a head that falls
+        // from 0.99 to 0.3 passes when it is better calibrated; a Brier score 0.03 worse fails,
+        // 0.015 worse passes; a NaN Brier score fails
+        let b = |new, old| ValueCheck {
+            value_new: 0.3,
+            value_old: 0.99,
+            turns: 10,
+            brier_new: new,
+            brier_old: old,
+            labelled_turns: 8,
+        };
+        assert!(judge(0.0, 0.2, Some(b(0.20, 0.60)), None).passed);
+        assert!(judge(0.0, 0.2, Some(b(0.215, 0.20)), None).passed);
+        let r = judge(0.0, 0.2, Some(b(0.23, 0.20)), None);
+        assert!(!r.passed && r.reason.as_deref().unwrap_or("").contains("Brier"));
+        assert!(!judge(0.0, 0.2, Some(b(f64::NAN, 0.20)), None).passed);
         // validation: more success passes; equal success needs reward at least as high
         let val = |c: Score, a: Score| Validation {
             candidate: c,
@@ -344,6 +413,66 @@ mod tests {
         // the KL failure is reported even when validation would pass
         let r = judge(1.0, 0.2, None, Some(val(score(1.0, 1.0), score(0.0, 0.0))));
         assert!(r.reason.as_deref().unwrap_or("").contains("KL"));
+    }
+
+    #[test]
+    fn the_value_check_judges_calibration_not_the_mean_estimate() {
+        use crate::policy::{FeatureDtype, SamplerParams};
+        use crate::store::{Behavior, Features, NewSession, NewTurn, TokenLogprobs};
+        // five finished live sessions, one assistant turn each, every hidden state 0.5 in all
+        // 4 dimensions; outcomes 1, 0, 0, 0 and one without an outcome
+        let mut store = Store::in_memory().unwrap();
+        for outcome in [Some(1.0), Some(0.0), Some(0.0), Some(0.0), None] {
+            let turn = NewTurn {
+                behavior: Some(Behavior::Sampled),
+                sampler: Some(SamplerParams::default()),
+                logprobs: Some(TokenLogprobs {
+                    logp_behavior: vec![-0.5],
+                    logp_full: vec![-0.5],
+                    support: Vec::new(),
+                }),
+                hidden: Some(Features {
+                    n_embd: 4,
+                    dtype: FeatureDtype::F32,
+                    values: vec![0.5; 4],
+                }),
+                ..NewTurn::message(Role::Assistant, "ok", vec![7], 3)
+            };
+            let sid = store.create_session(&NewSession::new(Source::Live)).unwrap();
+            store.append_turns(sid, &[turn]).unwrap();
+            if let Some(o) = outcome {
+                store
+                    .add_feedback(sid, None, crate::store::FeedbackKind::Outcome, Some(o), None)
+                    .unwrap();
+            }
+            store.end_session(sid).unwrap();
+        }
+        let head = |b: f32| {
+            let mut a = Adapter::fresh(4, 8, 2, 4.0, 1, "test");
+            a.value_b = b;
+            a
+        };
+        // the parent says σ(6) = 0.99753 everywhere (a warm start on successes only); the
+        // candidate says 1/4, the real rate: z = ln(1/3)
+        let parent = head(6.0);
+        let candidate = head((1.0f32 / 3.0).ln());
+        let v = value_check(&store, &candidate, Some(&parent), Some(Source::Live), 50).unwrap();
+        assert_eq!((v.turns, v.labelled_turns), (5, 4));
+        let p = 1.0 / (1.0 + (-6.0f64).exp());
+        // by hand: candidate (0.75² + 3·0.25²)/4 = 0.1875; parent ((1−p)² + 3p²)/4
+        assert!((v.brier_new - 0.1875).abs() < 1e-6, "{v:?}");
+        let brier_old = ((1.0 - p).powi(2) + 3.0 * p * p) / 4.0;
+        assert!((v.brier_old - brier_old).abs() < 1e-5, "{v:?}");
+        assert!((v.value_new - 0.25).abs() < 1e-6 && (v.value_old - p).abs() < 1e-5);
+        // the mean estimate fell by 0.75, the Brier score improved: the candidate passes
+        assert!(judge(0.0, 0.2, Some(v), None).passed);
+        // the other way round the parent is the better head: refused, and the reason says why
+        let back = value_check(&store, &parent, Some(&candidate), Some(Source::Live), 50).unwrap();
+        let r = judge(0.0, 0.2, Some(back), None);
+        assert!(!r.passed && r.reason.as_deref().unwrap_or("").contains("Brier"));
+        // without a parent the reference is 0.5 everywhere: Brier 0.25
+        let fresh = value_check(&store, &candidate, None, Some(Source::Live), 50).unwrap();
+        assert!((fresh.brier_old - 0.25).abs() < 1e-12);
     }
 
     #[test]

@@ -125,7 +125,7 @@ pub fn learn_once(st: &AppState, head: &OutputHead) -> crate::Result<String> {
         return Ok("update wrote no adapter".into());
     };
     // gate: the KL to the parent on the batch (the guard set of logged sessions) is bounded,
-    // and the value head's estimate of success does not regress
+    // and the value head is no worse calibrated than its parent's on recent live sessions
     let kl = report.diagnostics.approx_kl;
     let verdict = gate::decide(
         kl,
