@@ -438,11 +438,19 @@ mod tests {
                 }),
                 ..NewTurn::message(Role::Assistant, "ok", vec![7], 3)
             };
-            let sid = store.create_session(&NewSession::new(Source::Live)).unwrap();
+            let sid = store
+                .create_session(&NewSession::new(Source::Live))
+                .unwrap();
             store.append_turns(sid, &[turn]).unwrap();
             if let Some(o) = outcome {
                 store
-                    .add_feedback(sid, None, crate::store::FeedbackKind::Outcome, Some(o), None)
+                    .add_feedback(
+                        sid,
+                        None,
+                        crate::store::FeedbackKind::Outcome,
+                        Some(o),
+                        None,
+                    )
                     .unwrap();
             }
             store.end_session(sid).unwrap();
