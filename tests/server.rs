@@ -1492,3 +1492,65 @@ fn id_slot_and_greedy_digits_reach_the_sampler_and_bad_slots_are_refused() {
         );
     }
 }
+
+#[test]
+fn a_session_played_alone_repeats_bit_for_bit_whatever_the_server_did_before() {
+    let dir = tempdir();
+    let db = dir.path().join("alone.db");
+    let srv = Server::start(&db, &["--no-learn", "--parallel", "4"]);
+    let a = srv.addr.clone();
+    // two greedy turns of a held-out session
+    let session = |sid: &str, opening: &str| -> Vec<String> {
+        let mut messages = vec![json!({"role": "user", "content": opening})];
+        let mut replies = Vec::new();
+        for follow in ["It is order 48213. Can I get a refund?", ""] {
+            let (s, v) = chat(
+                &a,
+                json!({"messages": messages, "max_tokens": 16, "temperature": 0.0,
+                       "ignore_eos": true, "session_id": sid, "learn": false}),
+            );
+            assert_eq!(s, 200, "{v}");
+            let text = v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            messages.push(json!({"role": "assistant", "content": text.clone()}));
+            replies.push(text);
+            if !follow.is_empty() {
+                messages.push(json!({"role": "user", "content": follow}));
+            }
+        }
+        replies
+    };
+    let opening = "Hi, my parcel never came. What can you do?";
+    let first = session("e1", opening);
+    // as many sessions as the server has sequences, with the same opening, decode it in shared
+    // batches and take every sequence over: the next session copies its prefix from them
+    std::thread::scope(|s| {
+        for i in 0..4 {
+            let session = &session;
+            s.spawn(move || session(&format!("x{i}"), opening));
+        }
+    });
+    let again = session("e2", opening);
+    drop(srv);
+    let store = Store::open(&db).unwrap();
+    let logprobs = |client: &str| -> Vec<Vec<u32>> {
+        let sid = store.session_of_client(client, false).unwrap().unwrap();
+        store
+            .turns(sid)
+            .unwrap()
+            .iter()
+            .filter(|t| t.role == turnwise::Role::Assistant)
+            .map(|t| {
+                let lp = store.token_logprobs(t.id).unwrap().unwrap();
+                lp.logp_full.iter().map(|x| x.to_bits()).collect()
+            })
+            .collect()
+    };
+    // what the live desk's held-out evaluations rely on (customers pause meanwhile)
+    assert_eq!(first, again, "the same replies");
+    let (l1, l2) = (logprobs("e1"), logprobs("e2"));
+    assert_eq!(l1.iter().map(Vec::len).sum::<usize>(), 32);
+    assert_eq!(l1, l2, "bit-identical log-probs after other sessions ran");
+}

@@ -180,6 +180,10 @@ struct Shared {
     done: AtomicUsize,
     /// an update is running (sampled from `/metrics`)
     updating: AtomicBool,
+    /// an evaluation runs: customers start no new session
+    paused: AtomicBool,
+    /// customer sessions in progress
+    in_session: AtomicUsize,
     /// (client session id, reply) of every reply a client received
     acknowledged: Mutex<Vec<(String, String)>>,
     /// (seconds, an update ran at its start or end) of every chat request
@@ -280,6 +284,9 @@ struct Evaluation {
     served: usize,
     /// the adapter active when it started
     adapter: Option<i64>,
+    /// the adapter active when it ended (an activation can land during an evaluation that
+    /// runs beside an update)
+    adapter_after: Option<i64>,
     success: Vec<bool>,
 }
 
@@ -289,7 +296,12 @@ fn active_adapter(addr: &str) -> Option<i64> {
 }
 
 /// Plays the held-out scenarios greedily, one after the other, as sessions the learner never
-/// trains on.
+/// trains on. The customers pause meanwhile (those in a session finish it first): a reply
+/// decoded in a batch with other sessions' rows goes through other kernels than one decoded
+/// alone, and greedy decoding near a tie then picks another token. Played alone, two
+/// evaluations of the same adapter give the same transcripts (the starts of two runs of a
+/// seed agree), so a change between them is the adapter's. An update may still run, and
+/// activate its candidate, meanwhile.
 fn evaluate(
     addr: &str,
     label: &str,
@@ -297,19 +309,33 @@ fn evaluate(
     sh: &Shared,
     t0: Instant,
 ) -> anyhow::Result<Evaluation> {
+    sh.paused.store(true, Ordering::SeqCst);
+    while sh.in_session.load(Ordering::SeqCst) > 0 {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let served = sh.done.load(Ordering::Relaxed);
     let adapter = active_adapter(addr);
     let at_s = t0.elapsed().as_secs_f64();
     let mut success = Vec::with_capacity(held_out.len());
+    let mut played = Ok(());
     for (i, s) in held_out.iter().enumerate() {
         let sid = format!("eval-{label}-{i}");
-        success.push(play(addr, &sid, s, None, false, sh)?.success);
+        match play(addr, &sid, s, None, false, sh) {
+            Ok(p) => success.push(p.success),
+            Err(e) => {
+                played = Err(e);
+                break;
+            }
+        }
     }
+    sh.paused.store(false, Ordering::SeqCst);
+    played?;
     Ok(Evaluation {
         label: label.to_string(),
         at_s,
         served,
         adapter,
+        adapter_after: active_adapter(addr),
         success,
     })
 }
@@ -317,14 +343,25 @@ fn evaluate(
 /// A customer thread: new training-template scenarios until the budget is spent.
 fn customer(addr: String, seed: u64, budget: usize, sh: Arc<Shared>, t0: Instant) {
     loop {
+        // announce the session before looking at the pause, so that an evaluation that sets
+        // the pause and then sees no session in progress cannot be overtaken by one
+        sh.in_session.fetch_add(1, Ordering::SeqCst);
+        if sh.paused.load(Ordering::SeqCst) {
+            sh.in_session.fetch_sub(1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        }
         let i = sh.next.fetch_add(1, Ordering::Relaxed);
         if i >= budget {
+            sh.in_session.fetch_sub(1, Ordering::SeqCst);
             return;
         }
         let mut rng = Rng::new(seed.wrapping_mul(1_000_003).wrapping_add(i as u64));
         let scenario = env::scenario(&mut rng, Split::Train);
         let sid = format!("c{i}");
-        match play(&addr, &sid, &scenario, Some(rng.next_u64()), true, &sh) {
+        let played = play(&addr, &sid, &scenario, Some(rng.next_u64()), true, &sh);
+        sh.in_session.fetch_sub(1, Ordering::SeqCst);
+        match played {
             Ok(p) => lock(&sh.customers).push((
                 i,
                 t0.elapsed().as_secs_f64(),
@@ -749,6 +786,7 @@ fn run(o: &Opts, dir: &Path, addr: &str) -> anyhow::Result<Report> {
         "wall_s": t0.elapsed().as_secs_f64(),
         "evaluations": evals.iter().map(|e| json!({
             "label": e.label, "at_s": e.at_s, "served": e.served, "adapter": e.adapter,
+            "adapter_after": e.adapter_after,
             "successes": e.success.iter().filter(|&&b| b).count(), "n": e.success.len(),
             "wilson": wilson(e.success.iter().filter(|&&b| b).count(), e.success.len()),
             "success": e.success,
@@ -798,7 +836,10 @@ fn markdown(r: &Value) -> String {
             e["label"].as_str().unwrap_or_default(),
             e["served"],
             e["at_s"].as_f64().unwrap_or(0.0) / 60.0,
-            e["adapter"],
+            match (&e["adapter"], &e["adapter_after"]) {
+                (a, b) if b.is_null() || a == b => a.to_string(),
+                (a, b) => format!("{a} → {b} (activated during it)"),
+            },
             e["successes"],
             e["n"],
             100.0 * e["wilson"][0].as_f64().unwrap_or(0.0),
