@@ -301,6 +301,9 @@ fn supervised_warm_start_teaches_a_reply_format() {
     let r = train(&mut store, &db, None, &cfg).unwrap();
     let id = r.adapter_id.unwrap();
     let ad = Arc::new(Adapter::load(&adapter_dir(&db, id)).unwrap());
+    // imitation trains the policy, not the value head: the demonstrations all succeed, and a
+    // head fitted on them would call every state a success (a fresh head: 0.5 everywhere)
+    assert!(ad.value_w.iter().all(|&w| w == 0.0) && ad.value_b == 0.0);
     engine.set_adapter(Some((id, ad.clone()))).unwrap();
     let after = hits(&play(&|_| None));
     eprintln!(

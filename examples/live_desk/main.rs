@@ -803,7 +803,8 @@ fn run(o: &Opts, dir: &Path, addr: &str) -> anyhow::Result<Report> {
             "idle": {"n": idle.len(), "p50": common::percentile(&idle, 50.0), "p95": common::percentile(&idle, 95.0)},
             "during_updates": {"n": during.len(), "p50": common::percentile(&during, 50.0), "p95": common::percentile(&during, 95.0)},
         },
-        "command": format!("cargo run --release --example live_desk -- --seed {} --sessions {} --clients {} --eval {} --eval-every {} --learn-every {} --learn-sessions {} --learn-nice {}", o.seed, o.sessions, o.clients, o.eval, o.eval_every, o.learn_every, o.learn_sessions, o.learn_nice),
+        "command": format!("cargo run --release --example live_desk -- --seed {} --sessions {} --clients {} --eval {} --eval-every {} --learn-every {} --learn-sessions {} --learn-nice {}{}", o.seed, o.sessions, o.clients, o.eval, o.eval_every, o.learn_every, o.learn_sessions, o.learn_nice,
+            if o.serve.is_empty() { String::new() } else { format!(" -- {}", o.serve.join(" ")) }),
     });
     let acknowledged = lock(&sh.acknowledged).clone();
     Ok(Report { json, acknowledged })

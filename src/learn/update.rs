@@ -413,9 +413,14 @@ fn train_steps(
                     .fold(0.0, f64::max);
                 first_ratio_dev = Some(dev);
             }
-            // value head: BCE of σ(w·h + b) on each turn's state against the session's success
+            // value head: BCE of σ(w·h + b) on each turn's state against the session's success.
+            // Not under SFT: demonstrations are another policy's sessions (an expert's, which
+            // all succeed), and a head fitted on them says that every state of this policy
+            // succeeds — the warm start left it at 1 − 1e-8 on live traffic that succeeds a
+            // third of the time, and the success contributions it annotates were then 0
+            let fit_value = cfg.value_coef > 0.0 && !sft;
             let (mut gw, mut vloss) = (Array1::<f32>::zeros(n_embd + 1), 0f64);
-            if cfg.value_coef > 0.0 && !mb.states.is_empty() {
+            if fit_value && !mb.states.is_empty() {
                 for &(row, y) in &mb.states {
                     let h = mb.h.row(row);
                     let p = current.value(h.as_slice().unwrap_or(&h.to_vec())) as f64;
@@ -479,7 +484,7 @@ fn train_steps(
                 &grads,
                 [cfg.lr, cfg.weight_decay, cfg.adam_eps],
             );
-            if cfg.value_coef > 0.0 {
+            if fit_value {
                 let mut vp = Array2::from_shape_fn((1, n_embd + 1), |(_, j)| {
                     if j < n_embd {
                         current.value_w[j]
