@@ -1035,6 +1035,42 @@ fn fault_cycles_lose_no_acknowledged_turn() {
     assert_eq!((lost, unloadable, ungated), (0, 0, 0));
 }
 
+/// A session of two greedy replies of `max_tokens` each (`ignore_eos`: always the full length)
+/// to `opening` and then `follow`, sent with `"learn": learn`; returns the replies.
+fn greedy_two_turns(
+    addr: &str,
+    sid: &str,
+    opening: &str,
+    follow: &str,
+    max_tokens: usize,
+    learn: bool,
+) -> Vec<String> {
+    let mut messages = vec![json!({"role": "user", "content": opening})];
+    let mut replies = Vec::new();
+    for next in [Some(follow), None] {
+        let (s, v) = chat(
+            addr,
+            json!({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                   "ignore_eos": true, "session_id": sid, "learn": learn}),
+        );
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(
+            v["usage"]["completion_tokens"], max_tokens,
+            "ignore_eos: the full length"
+        );
+        let text = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        messages.push(json!({"role": "assistant", "content": text.clone()}));
+        replies.push(text);
+        if let Some(f) = next {
+            messages.push(json!({"role": "user", "content": f}));
+        }
+    }
+    replies
+}
+
 /// Continuous batching through the real server: four clients with two-turn sessions at once
 /// are all answered in full, their decoding steps are shared (the engine's batch counters in
 /// `/metrics`), every turn is logged token-exact, and a session answered while three others
@@ -1046,32 +1082,15 @@ fn concurrent_sessions_share_decoding_steps_and_are_all_logged() {
     let srv = Server::start(&db, &["--no-learn", "--parallel", "4"]);
     let a = srv.addr.clone();
     let session = |sid: String, order: usize| -> Vec<String> {
-        let mut messages = vec![
-            json!({"role": "user", "content": format!("Hi, my order {order} has not arrived. Where is it?")}),
-        ];
-        let mut replies = Vec::new();
-        for follow in ["Thanks. Can I get a refund if it is lost?", ""] {
-            let (s, v) = chat(
-                &a,
-                json!({"messages": messages, "max_tokens": 24, "temperature": 0.0,
-                       "ignore_eos": true, "session_id": sid}),
-            );
-            assert_eq!(s, 200, "{v}");
-            assert_eq!(
-                v["usage"]["completion_tokens"], 24,
-                "ignore_eos: the full length"
-            );
-            let text = v["choices"][0]["message"]["content"]
-                .as_str()
-                .unwrap()
-                .to_string();
-            messages.push(json!({"role": "assistant", "content": text.clone()}));
-            replies.push(text);
-            if !follow.is_empty() {
-                messages.push(json!({"role": "user", "content": follow}));
-            }
-        }
-        replies
+        let opening = format!("Hi, my order {order} has not arrived. Where is it?");
+        greedy_two_turns(
+            &a,
+            &sid,
+            &opening,
+            "Thanks. Can I get a refund if it is lost?",
+            24,
+            true,
+        )
     };
     let solo = session("solo".into(), 48213);
     let metric = |name: &str| -> f64 {
@@ -1500,27 +1519,15 @@ fn a_session_played_alone_repeats_bit_for_bit_whatever_the_server_did_before() {
     let srv = Server::start(&db, &["--no-learn", "--parallel", "4"]);
     let a = srv.addr.clone();
     // two greedy turns of a held-out session
-    let session = |sid: &str, opening: &str| -> Vec<String> {
-        let mut messages = vec![json!({"role": "user", "content": opening})];
-        let mut replies = Vec::new();
-        for follow in ["It is order 48213. Can I get a refund?", ""] {
-            let (s, v) = chat(
-                &a,
-                json!({"messages": messages, "max_tokens": 16, "temperature": 0.0,
-                       "ignore_eos": true, "session_id": sid, "learn": false}),
-            );
-            assert_eq!(s, 200, "{v}");
-            let text = v["choices"][0]["message"]["content"]
-                .as_str()
-                .unwrap()
-                .to_string();
-            messages.push(json!({"role": "assistant", "content": text.clone()}));
-            replies.push(text);
-            if !follow.is_empty() {
-                messages.push(json!({"role": "user", "content": follow}));
-            }
-        }
-        replies
+    let session = |sid: &str, opening: &str| {
+        greedy_two_turns(
+            &a,
+            sid,
+            opening,
+            "It is order 48213. Can I get a refund?",
+            16,
+            false,
+        )
     };
     let opening = "Hi, my parcel never came. What can you do?";
     let first = session("e1", opening);

@@ -340,6 +340,24 @@ fn evaluate(
     })
 }
 
+/// How long no update may have run before the final evaluation starts.
+const QUIET: Duration = Duration::from_secs(5);
+
+/// Returns once `/metrics` has said "no update running" for [`QUIET`] in a row (at most 15
+/// minutes).
+fn wait_until_learner_quiet(sh: &Shared) {
+    let start = Instant::now();
+    let mut quiet_since = Instant::now();
+    while start.elapsed() < Duration::from_secs(900) {
+        if sh.updating.load(Ordering::Relaxed) {
+            quiet_since = Instant::now();
+        } else if quiet_since.elapsed() >= QUIET {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// A customer thread: new training-template scenarios until the budget is spent.
 fn customer(addr: String, seed: u64, budget: usize, sh: Arc<Shared>, t0: Instant) {
     loop {
@@ -763,13 +781,21 @@ fn run(o: &Opts, dir: &Path, addr: &str) -> anyhow::Result<Report> {
         let _ = c.join();
     }
     bar.finish_and_clear();
-    // the learner's last update may still be running: let it finish before the final evaluation
-    let wait = Instant::now();
-    while sh.updating.load(Ordering::Relaxed) && wait.elapsed() < Duration::from_secs(900) {
-        std::thread::sleep(Duration::from_millis(500));
+    // The final evaluation judges the last adapter, so the learner must be done: an update may
+    // be running, and the last customers' sessions may have made one due that the learner
+    // (it looks every 0.5 s) has not started yet. Wait until no update has run for QUIET;
+    // should an activation still land during the evaluation, evaluate again.
+    let mut end = None;
+    for _ in 0..3 {
+        wait_until_learner_quiet(&sh);
+        let e = evaluate(addr, "end", &held_out, &sh, t0)?;
+        let clean = e.adapter == e.adapter_after;
+        end = Some(e);
+        if clean {
+            break;
+        }
     }
-    std::thread::sleep(Duration::from_secs(1));
-    evals.push(evaluate(addr, "end", &held_out, &sh, t0)?);
+    evals.extend(end);
     stop.store(true, Ordering::Relaxed);
     let _ = watcher.join();
     let activations = lock(&activations).clone();
