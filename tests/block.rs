@@ -922,3 +922,109 @@ fn the_demo_trains_a_block_lora_with_rl() {
         "no validation gate ran"
     );
 }
+
+/// `adapters export --format merged`: the output LoRA folded into a copy of the model file
+/// (an f16 `output.weight`), the block LoRA beside it. llama.cpp serving the merged file with
+/// the block LoRA alone gives the replies Turnwise serves with the whole adapter (output LoRA
+/// applied by Turnwise on top of llama.cpp's logits): the same greedy tokens, log-probs within
+/// the rounding of the two paths, and both far from the base model's.
+#[test]
+fn a_merged_export_serves_in_llama_cpp_what_turnwise_served() {
+    use std::sync::Arc;
+    use turnwise::adapter::merge::write_merged_model;
+    use turnwise::adapter::Adapter;
+    use turnwise::policy::{Message, Role, SamplerParams};
+
+    let path = model_path();
+    let tail = TailModel::from_gguf(&path, 2).unwrap();
+    let (n_embd, n_vocab) = (tail.hp.n_embd, tail.hp.n_vocab);
+    let mut full = Adapter::fresh(n_embd, n_vocab, 8, 16.0, 3, "SmolLM2-135M-Instruct");
+    let mut rng = Rng::new(21);
+    full.b
+        .mapv_inplace(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.6) as f32);
+    let mut lora = BlockLora::fresh(&tail.hp, spec(2), 9);
+    for b in lora.factors.b.iter_mut() {
+        b.mapv_inplace(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.3) as f32);
+    }
+    full.block = Some(lora.clone());
+    let dir = tempdir();
+    let merged = dir.path().join("model.gguf");
+    let m = write_merged_model(&path, &full, &merged, "test").unwrap();
+    assert!(!m.replaced, "the default model ties its output projection");
+    assert!(m.max_delta > 0.1, "largest LoRA term {}", m.max_delta);
+
+    let greedy = SamplerParams {
+        temperature: 0.0,
+        max_tokens: 32,
+        ..Default::default()
+    };
+    let requests = [
+        "Where is my order 48213?",
+        "I want a refund for order 51177, it arrived broken.",
+        "Can you change the address on order 30962?",
+    ];
+    let msgs = |u: &str| {
+        vec![
+            Message::new(
+                Role::System,
+                "You are a helpful customer-service assistant.",
+            ),
+            Message::new(Role::User, u),
+        ]
+    };
+    let play = |engine: &turnwise::Engine, base: u64| {
+        requests
+            .iter()
+            .enumerate()
+            .map(|(i, u)| {
+                let k = base + i as u64;
+                let g = engine.generate(k, msgs(u), greedy.clone(), None).unwrap();
+                engine.close(k);
+                g.reply
+            })
+            .collect::<Vec<_>>()
+    };
+    let served = turnwise::Engine::start(turnwise::EngineConfig::new(&path)).unwrap();
+    let base = play(&served, 10);
+    served
+        .set_adapter(Some((1, Arc::new(full.clone()))))
+        .unwrap();
+    let turnwise_replies = play(&served, 20);
+    drop(served);
+
+    let other = turnwise::Engine::start(turnwise::EngineConfig::new(&merged)).unwrap();
+    let mut block_only = Adapter::fresh(n_embd, n_vocab, 8, 16.0, 3, "SmolLM2-135M-Instruct");
+    block_only.block = Some(lora);
+    other.set_adapter(Some((1, Arc::new(block_only)))).unwrap();
+    let merged_replies = play(&other, 30);
+
+    let (mut gaps, mut moved) = (Vec::new(), 0usize);
+    for ((b, t), m) in base.iter().zip(&turnwise_replies).zip(&merged_replies) {
+        eprintln!(
+            "base   {:?}\nserved {:?}\nmerged {:?}",
+            b.text, t.text, m.text
+        );
+        moved += usize::from(b.tokens != t.tokens);
+        let common = t
+            .tokens
+            .iter()
+            .zip(&m.tokens)
+            .take_while(|(x, y)| x == y)
+            .count();
+        assert!(
+            common >= 24.min(t.tokens.len()),
+            "the merged file's greedy reply left Turnwise's after {common} tokens"
+        );
+        for i in 0..common {
+            gaps.push((t.logp_full[i] - m.logp_full[i]).abs() as f64);
+        }
+    }
+    assert_eq!(moved, requests.len(), "the adapter must move every reply");
+    let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+    let max = gaps.iter().cloned().fold(0.0, f64::max);
+    eprintln!(
+        "merged vs served over {} tokens: mean |Δ log p| {mean:.2e}, max {max:.2e}",
+        gaps.len()
+    );
+    assert!(mean < 0.03 && max < 0.3, "mean {mean} max {max}");
+}

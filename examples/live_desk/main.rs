@@ -51,6 +51,7 @@ use turnwise::store::Store;
 
 #[path = "../common/mod.rs"]
 mod common;
+mod export_check;
 mod replay;
 
 /// Sampling of the customers' sessions, as the demo's rollouts.
@@ -81,6 +82,10 @@ customers measure the served policy; then the live log is replayed offline (docs
   --out DIR             run directory (live-runs/seed<S>-<time>)
   --bin PATH            the turnwise binary (the one beside this example)
   -- SERVE ARGS         passed to turnwise serve
+  --export-check        with --out DIR of a finished run: export its final adapter as a
+                        merged model file (`adapters export --format merged`) and play the
+                        held-out customers on `turnwise serve` with the adapter and on
+                        `turnwise serve --model model.gguf`; count identical transcripts
   --pool DIR...         pool finished runs over their seeds and print the table
 ";
 
@@ -99,6 +104,7 @@ struct Opts {
     serve: Vec<String>,
     replay_sessions: usize,
     replay_only: bool,
+    export_check: bool,
     pool: Vec<PathBuf>,
 }
 
@@ -118,6 +124,7 @@ fn opts() -> anyhow::Result<Opts> {
         serve: Vec::new(),
         replay_sessions: 96,
         replay_only: false,
+        export_check: false,
         pool: Vec::new(),
     };
     let mut args = std::env::args().skip(1);
@@ -137,6 +144,7 @@ fn opts() -> anyhow::Result<Opts> {
             "--learn-nice" => o.learn_nice = value()?.parse()?,
             "--replay-sessions" => o.replay_sessions = value()?.parse()?,
             "--replay-only" => o.replay_only = true,
+            "--export-check" => o.export_check = true,
             "--pool" => {
                 o.pool = args.by_ref().map(PathBuf::from).collect();
                 return Ok(o);
@@ -526,11 +534,11 @@ fn main() -> anyhow::Result<()> {
     if !o.pool.is_empty() {
         return replay::pool(&o.pool);
     }
-    if o.replay_only {
+    if o.replay_only || o.export_check {
         let dir = o
             .out
             .clone()
-            .context("--replay-only needs --out DIR of a finished run")?;
+            .context("--replay-only and --export-check need --out DIR of a finished run")?;
         let p = dir.join("result.json");
         let text =
             std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
@@ -546,13 +554,24 @@ fn main() -> anyhow::Result<()> {
         o.demos = usize::try_from(setting("demos")?)?;
         o.eval = usize::try_from(setting("eval_scenarios")?)?;
         println!(
-            "replay of {}: seed {}, {} demonstrations, {} held-out scenarios (the run's own)",
+            "{} of {}: seed {}, {} demonstrations, {} held-out scenarios (the run's own)",
+            if o.export_check {
+                "export check"
+            } else {
+                "replay"
+            },
             dir.display(),
             o.seed,
             o.demos,
             o.eval
         );
-        result["replay"] = replay::replay(&o, &dir, &result)?;
+        if o.export_check {
+            let summary = export_check::export_check(&o, &dir, &result)?;
+            println!("{}", serde_json::to_string_pretty(&summary)?);
+            result["export_check"] = summary;
+        } else {
+            result["replay"] = replay::replay(&o, &dir, &result)?;
+        }
         return write_report(&dir, &result);
     }
     let dir = o.out.clone().unwrap_or_else(|| {
@@ -636,6 +655,29 @@ fn write_report(dir: &Path, result: &Value) -> anyhow::Result<()> {
     let mut md = markdown(result);
     if result["replay"].is_object() {
         md.push_str(&replay::markdown(&result["replay"]));
+    }
+    let x = &result["export_check"];
+    if x.is_object() {
+        let _ = write!(
+            md,
+            "\n## The final adapter outside Turnwise\n\nAdapter {} exported with `adapters export \
+             --format merged` ({:.0} MB); the held-out customers played greedily on `turnwise \
+             serve` with the adapter and on `turnwise serve --model model.gguf`: {} of {} \
+             transcripts identical, {} of {} replies; held-out success {}/{} served, {}/{} \
+             merged (the run's end evaluation: {}/{}).\n",
+            x["adapter"],
+            x["merged_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+            x["identical_transcripts"],
+            x["scenarios"],
+            x["identical_replies"],
+            x["replies_compared"],
+            x["served_successes"],
+            x["scenarios"],
+            x["merged_successes"],
+            x["scenarios"],
+            x["run_end_successes"]["successes"],
+            x["scenarios"],
+        );
     }
     std::fs::write(dir.join("report.md"), &md)?;
     println!("{md}");

@@ -8,6 +8,7 @@
 //! A fresh adapter has `B = 0`, so it adds exact zeros and leaves generation bit-identical.
 
 pub mod block;
+pub mod merge;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -48,12 +48,14 @@ enum AdaptersCmd {
         #[arg(long)]
         model: Option<std::path::PathBuf>,
     },
-    /// Write an adapter's LoRA for other tools: `gguf` (llama.cpp, Ollama; block LoRA only) or
-    /// `peft` (Hugging Face names, for PEFT / TRL / vLLM)
+    /// Write an adapter for other tools: `merged` (the model file with the output LoRA folded
+    /// in, plus the block LoRA as a GGUF LoRA: everything the policy served, for llama.cpp,
+    /// `llama-server`, Ollama), `gguf` (the block LoRA alone) or `peft` (Hugging Face names, for
+    /// PEFT / TRL / vLLM)
     Export {
         /// adapter id
         id: i64,
-        /// gguf or peft
+        /// merged, gguf or peft
         #[arg(long, default_value = "peft")]
         format: String,
         /// output directory (created)
@@ -149,15 +151,73 @@ pub(super) fn export_adapter(
         .with_context(|| format!("adapter {id} is not loadable"))?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let mut written = Vec::new();
+    let output_lora_is_zero = a.b.iter().all(|&x| x == 0.0);
+    let carries_all = |what: &str| -> anyhow::Result<()> {
+        if output_lora_is_zero {
+            return Ok(());
+        }
+        anyhow::bail!(
+            "adapter {id} also has a LoRA on the output projection (the warm start's or the \
+             updates'), which {what} cannot carry: llama.cpp has no output tensor to attach it \
+             to when the model ties it to the token embeddings (SmolLM2), so the export would \
+             answer like another policy. Use --format merged (the model file with the output \
+             LoRA folded in, plus the block LoRA as adapter.gguf)"
+        )
+    };
     match format {
+        "merged" => {
+            let stamp = assets::model_stamp(model)?;
+            if let Some(want) = rec
+                .model
+                .as_ref()
+                .and_then(|m| m.get("sha256"))
+                .and_then(|v| v.as_str())
+            {
+                anyhow::ensure!(
+                    want == stamp.sha256,
+                    "adapter {id} was trained on the model file with SHA-256 {want} ({}), not \
+                     {} ({}): pass that file with --model",
+                    rec.model
+                        .as_ref()
+                        .and_then(|m| m.get("file"))
+                        .and_then(|v| v.as_str())
+                        .unwrap_or("?"),
+                    model.display(),
+                    stamp.sha256
+                );
+            }
+            let p = out.join("model.gguf");
+            let provenance = format!(
+                "adapter {id} (output LoRA r={} alpha={}) folded into {} (SHA-256 {})",
+                a.config.r, a.config.lora_alpha, stamp.file, stamp.sha256
+            );
+            let m = turnwise::adapter::merge::write_merged_model(model, &a, &p, &provenance)?;
+            eprintln!(
+                "{}: output.weight {} in f16, largest LoRA term {:.3}, largest f16 rounding {:.1e}, \
+                 {:.0} MB",
+                p.display(),
+                if m.replaced { "replaced" } else { "added (the model ties it to token_embd)" },
+                m.max_delta,
+                m.max_rounding,
+                m.bytes as f64 / 1e6
+            );
+            written.push(p);
+            if let Some(b) = &a.block {
+                let p = out.join("adapter.gguf");
+                std::fs::write(&p, b.to_gguf())?;
+                written.push(p);
+            }
+        }
         "gguf" => {
             let b = a.block.as_ref().ok_or_else(|| {
                 anyhow::anyhow!(
                     "adapter {id} has no block LoRA: its LoRA is on the output projection, which \
                      llama.cpp cannot load for models that tie it to the token embeddings \
-                     (SmolLM2); export it with --format peft"
+                     (SmolLM2); export it with --format merged (a model file with it folded in) \
+                     or --format peft"
                 )
             })?;
+            carries_all("a GGUF LoRA")?;
             let p = out.join("adapter.gguf");
             std::fs::write(&p, b.to_gguf())?;
             written.push(p);
@@ -167,6 +227,7 @@ pub(super) fn export_adapter(
             let c = out.join(turnwise::adapter::CONFIG_FILE);
             match &a.block {
                 Some(b) => {
+                    carries_all("a PEFT block LoRA export")?;
                     let hp = Hparams::from_index(&GgufIndex::open(model)?)?;
                     let (st, cfg) = b.to_peft(&hp, &a.config.base_model_name_or_path)?;
                     std::fs::write(&p, st)?;
@@ -181,7 +242,7 @@ pub(super) fn export_adapter(
             written.push(p);
             written.push(c);
         }
-        other => anyhow::bail!("unknown format {other:?} (gguf, peft)"),
+        other => anyhow::bail!("unknown format {other:?} (merged, gguf, peft)"),
     }
     Ok(written)
 }

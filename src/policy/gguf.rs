@@ -37,6 +37,14 @@ pub struct GgufIndex {
     pub data_start: u64,
     /// every scalar metadata value (numbers, booleans and strings) as text, by key
     pub meta: std::collections::HashMap<String, String>,
+    /// GGUF version (2 or 3)
+    pub version: u32,
+    /// number of metadata pairs
+    pub n_kv: u64,
+    /// absolute offset where the metadata pairs end (they start at byte 24)
+    pub kv_end: u64,
+    /// `general.alignment` (32 when absent)
+    pub alignment: u64,
 }
 
 const MAX_STRING: u64 = 1 << 26;
@@ -190,6 +198,7 @@ impl GgufIndex {
                 _ => {}
             }
         }
+        let kv_end = rd.r.stream_position().map_err(|e| Error::io(path, e))?;
         let mut tensors = Vec::with_capacity(n_tensors as usize);
         for _ in 0..n_tensors {
             let tname = rd.string()?;
@@ -220,6 +229,10 @@ impl GgufIndex {
             tokens,
             data_start,
             meta,
+            version,
+            n_kv,
+            kv_end,
+            alignment,
         })
     }
 
