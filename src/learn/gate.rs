@@ -10,6 +10,7 @@
 //! measured them, the value head's estimate of success on logged sessions and greedy success
 //! on fresh validation scenarios (docs/learning.md, "The gate").
 
+use std::cmp::Ordering::{Equal, Less};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -81,15 +82,17 @@ impl ValueCheck {
     /// estimate and its Brier score together: judged by calibration it passes, judged by the
     /// mean it would be refused.
     pub fn regression(&self) -> Option<String> {
+        // written so that a NaN on either side counts as a regression
+        let within = |a: f64, b: f64| matches!(a.partial_cmp(&b), Some(Less | Equal));
         if self.labelled_turns > 0 {
-            (!(self.brier_new <= self.brier_old + VALUE_TOLERANCE)).then(|| {
+            (!within(self.brier_new, self.brier_old + VALUE_TOLERANCE)).then(|| {
                 format!(
                     "value head's Brier score {:.4} > parent's {:.4} + {VALUE_TOLERANCE} on {} labelled turns",
                     self.brier_new, self.brier_old, self.labelled_turns
                 )
             })
         } else {
-            (!(self.value_new >= self.value_old - VALUE_TOLERANCE)).then(|| {
+            (!within(self.value_old - VALUE_TOLERANCE, self.value_new)).then(|| {
                 format!(
                     "value estimate {:.3} < parent's {:.3} − {VALUE_TOLERANCE} (no labelled turns)",
                     self.value_new, self.value_old
