@@ -482,8 +482,17 @@ mod tests {
         let r = judge(0.0, 0.2, Some(back), None);
         assert!(!r.passed && r.reason.as_deref().unwrap_or("").contains("Brier"));
         // without a parent the reference is 0.5 everywhere: Brier 0.25
-        let fresh = value_check(&store, &candidate, None, Some(Source::Live), 50).unwrap();
+        let mut fresh = value_check(&store, &candidate, None, Some(Source::Live), 50).unwrap();
         assert!((fresh.brier_old - 0.25).abs() < 1e-12);
+        assert!(fresh.regression().is_none());
+        // a NaN score is a regression, never a pass; so is a NaN mean estimate
+        fresh.brier_new = f64::NAN;
+        assert!(fresh.regression().is_some());
+        fresh.labelled_turns = 0;
+        fresh.value_new = f64::NAN;
+        assert!(fresh.regression().is_some());
+        fresh.value_new = fresh.value_old;
+        assert!(fresh.regression().is_none());
     }
 
     #[test]
