@@ -13,8 +13,6 @@ use std::fs::File;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use ndarray::Array2;
-
 use super::Adapter;
 use crate::error::{Error, Result};
 use crate::policy::gguf::{GgufIndex, TensorInfo};
@@ -38,16 +36,6 @@ pub struct Merged {
     pub max_rounding: f32,
     /// file size in bytes
     pub bytes: u64,
-}
-
-/// The output projection with the adapter's output LoRA folded in, `[n_vocab, n_embd]`.
-///
-/// # Errors
-/// [`Error::Invalid`] when the adapter was made for another shape.
-pub fn folded_output(head: &OutputHead, adapter: &Adapter) -> Result<Array2<f32>> {
-    adapter.check_model(head.n_embd(), head.n_vocab())?;
-    let delta = adapter.b.dot(&adapter.a) * adapter.scale();
-    Ok(&head.weight() + &delta)
 }
 
 fn nbytes(t: &TensorInfo) -> Result<u64> {
@@ -82,10 +70,11 @@ pub fn write_merged_model(
 ) -> Result<Merged> {
     let idx = GgufIndex::open(model)?;
     let head = OutputHead::from_gguf(model)?;
-    let merged = folded_output(&head, adapter)?;
-    let max_delta = (adapter.b.dot(&adapter.a) * adapter.scale())
-        .iter()
-        .fold(0f32, |m, x| m.max(x.abs()));
+    adapter.check_model(head.n_embd(), head.n_vocab())?;
+    let delta = adapter.b.dot(&adapter.a) * adapter.scale();
+    let max_delta = delta.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let merged = &head.weight() + &delta;
+    drop(delta); // 113 MB for the default model, not needed past here
     let (n_vocab, n_embd) = merged.dim();
     let mut data16 = Vec::with_capacity(n_vocab * n_embd * 2);
     let mut max_rounding = 0f32;
@@ -152,8 +141,6 @@ pub fn write_merged_model(
         put_str(&mut w, MERGED_KEY).map_err(io)?;
         w.write_all(&8u32.to_le_bytes()).map_err(io)?; // string
         put_str(&mut w, provenance).map_err(io)?;
-        let mut written = 24 + kv_len + 8 + MERGED_KEY.len() as u64 + 4 + 8;
-        written += provenance.len() as u64;
         for (t, _) in &plan {
             put_str(&mut w, &t.name).map_err(io)?;
             w.write_all(&(t.dims.len() as u32).to_le_bytes())
@@ -163,9 +150,9 @@ pub fn write_merged_model(
             }
             w.write_all(&t.ggml_type.to_le_bytes()).map_err(io)?;
             w.write_all(&t.offset.to_le_bytes()).map_err(io)?;
-            written += 8 + t.name.len() as u64 + 4 + 8 * t.dims.len() as u64 + 4 + 8;
         }
-        let data_start = pad(&mut w, written, align).map_err(io)?;
+        let header = w.stream_position().map_err(io)?;
+        let data_start = pad(&mut w, header, align).map_err(io)?;
         let mut at = 0u64;
         for (t, from) in &plan {
             debug_assert_eq!(at, t.offset);
@@ -214,6 +201,7 @@ pub fn write_merged_model(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ndarray::Array2;
 
     /// A two-tensor GGUF: `token_embd.weight` f32 `[n_embd 4, n_vocab 3]` (tied output) and a
     /// 5-value f32 tensor, with two metadata pairs.

@@ -167,21 +167,13 @@ pub(super) fn export_adapter(
     match format {
         "merged" => {
             let stamp = assets::model_stamp(model)?;
-            if let Some(want) = rec
-                .model
-                .as_ref()
-                .and_then(|m| m.get("sha256"))
-                .and_then(|v| v.as_str())
-            {
+            let recorded = |key: &str| rec.model.as_ref()?.get(key)?.as_str();
+            if let Some(want) = recorded("sha256") {
                 anyhow::ensure!(
                     want == stamp.sha256,
                     "adapter {id} was trained on the model file with SHA-256 {want} ({}), not \
                      {} ({}): pass that file with --model",
-                    rec.model
-                        .as_ref()
-                        .and_then(|m| m.get("file"))
-                        .and_then(|v| v.as_str())
-                        .unwrap_or("?"),
+                    recorded("file").unwrap_or("?"),
                     model.display(),
                     stamp.sha256
                 );
