@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use turnwise::demo::{report, wilson, Demo, DemoConfig, ProcessSignal, Progress};
-use turnwise::learn::annotate::{IgContext, IgPolicy};
+use turnwise::learn::annotate::{IgContext, IgPolicy, IgSpace};
 use turnwise::learn::Algo;
 use turnwise::policy::{Engine, EngineCounters, OutputHead};
 
@@ -150,6 +150,10 @@ pub struct DemoArgs {
     /// that sampled the rollout (sampling)
     #[arg(long, value_enum, default_value_t = IgPolicy::Frozen)]
     ig_policy: IgPolicy,
+    /// Whether information gain is the change of the reference's mean log-prob (logprob, the
+    /// released code's) or of its probability (prob, the paper's: bounded by 1 per turn)
+    #[arg(long, value_enum, default_value_t = IgSpace::Logprob)]
+    ig_space: IgSpace,
 }
 
 /// Which digit tokens get no policy gradient.
@@ -230,6 +234,7 @@ impl DemoArgs {
         c.shadow_gate = self.shadow_gate == OnOff::On;
         c.ig_context = self.ig_context;
         c.ig_policy = self.ig_policy;
+        c.ig_space = self.ig_space;
         self.learn.apply(&mut c.rl);
         c.warm.sft_digit_class = self.warm_digits == WarmDigits::Class;
         if let Some(m) = self.mask_digits {

@@ -96,6 +96,8 @@ pub struct DemoConfig {
     /// which policy scores information gain: the base model (frozen, the default) or the
     /// active adapter that sampled the rollout
     pub ig_policy: IgPolicy,
+    /// information gain as a change of log-prob (the default) or of probability
+    pub ig_space: IgSpace,
     /// largest |approx KL| of an update that may be activated
     pub gate_kl: f64,
     /// evaluate on the held-out set every this many iterations (0: only at the end)
@@ -173,6 +175,7 @@ impl DemoConfig {
             process: ProcessSignal::InfoGain,
             ig_context: IgContext::Observation,
             ig_policy: IgPolicy::Frozen,
+            ig_space: IgSpace::Logprob,
             gate_kl: crate::learn::gate::DEFAULT_KL_BOUND,
             eval_every: 0,
             experience: false,

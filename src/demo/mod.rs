@@ -37,7 +37,7 @@ use crate::demo::experience::{EntryRow, Evolution, Library, LibraryConfig};
 use crate::env::{self, Desk, Observation, Scenario, Split};
 use crate::error::{Error, Result};
 use crate::learn::annotate::{
-    annotate_sessions_with, AnnotateConfig, IgContext, IgPolicy, InfoGainSource,
+    annotate_sessions_with, AnnotateConfig, IgContext, IgPolicy, IgSpace, InfoGainSource,
 };
 use crate::learn::{gate, run_update, Algo, Diagnostics, Selection, TrainConfig};
 use crate::policy::sampler::Rng;

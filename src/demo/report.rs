@@ -245,9 +245,9 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         c.rl.objective.eps_low, c.rl.objective.eps_high,
         c.rl.epochs, c.process,
         if c.process == crate::demo::ProcessSignal::InfoGain {
-            use crate::learn::annotate::{IgContext, IgPolicy};
+            use crate::learn::annotate::{IgContext, IgPolicy, IgSpace};
             format!(
-                " (each turn scored {} by {})",
+                " (each turn scored {} by {}, as a change of {})",
                 match c.ig_context {
                     IgContext::Observation => "after what it brought back",
                     IgContext::Reply => "right after its reply",
@@ -255,6 +255,10 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
                 match c.ig_policy {
                     IgPolicy::Frozen => "the base model",
                     IgPolicy::Sampling => "the adapter that sampled it",
+                },
+                match c.ig_space {
+                    IgSpace::Logprob => "log-prob",
+                    IgSpace::Prob => "probability",
                 }
             )
         } else {

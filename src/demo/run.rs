@@ -184,6 +184,7 @@ impl<'a> Demo<'a> {
                 &AnnotateConfig {
                     ig_context: self.cfg.ig_context,
                     ig_policy: self.cfg.ig_policy,
+                    ig_space: self.cfg.ig_space,
                     ig_scorer: self.active.as_ref().map(|a| a.0),
                     ..AnnotateConfig::default()
                 },
