@@ -1028,3 +1028,60 @@ fn a_merged_export_serves_in_llama_cpp_what_turnwise_served() {
     );
     assert!(mean < 0.03 && max < 0.3, "mean {mean} max {max}");
 }
+
+/// An adapter with a block LoRA on top of a trained output LoRA (what a block-LoRA run over the
+/// output-LoRA warm start holds) is refused by `adapters export --format gguf` and `peft`, which
+/// cannot carry the output LoRA, with an error that names `--format merged` and nothing written;
+/// `--format merged` writes the model file and the block LoRA.
+#[test]
+fn exports_that_cannot_carry_the_output_lora_are_refused_on_the_cli() {
+    use turnwise::adapter::{adapter_dir, Adapter};
+    use turnwise::store::Store;
+    use turnwise::AdapterStatus;
+
+    let path = model_path();
+    let tail = TailModel::from_gguf(&path, 2).unwrap();
+    let mut full = Adapter::fresh(tail.hp.n_embd, tail.hp.n_vocab, 8, 16.0, 3, "SmolLM2");
+    let mut rng = Rng::new(5);
+    full.b
+        .mapv_inplace(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.1) as f32);
+    full.block = Some(BlockLora::fresh(&tail.hp, spec(2), 4));
+    let dir = tempdir();
+    let db = dir.path().join("x.db");
+    let store = Store::open(&db).unwrap();
+    let id = store
+        .register_adapter(None, |id| {
+            adapter_dir(&db, id).to_string_lossy().into_owned()
+        })
+        .unwrap();
+    full.save(&adapter_dir(&db, id)).unwrap();
+    store
+        .set_adapter_status(id, AdapterStatus::Candidate, None)
+        .unwrap();
+    drop(store);
+
+    let export = |format: &str, out: &std::path::Path| {
+        crate::common::turnwise(&db)
+            .args(["adapters", "export", &id.to_string(), "--format", format])
+            .arg("--out")
+            .arg(out)
+            .output()
+            .unwrap()
+    };
+    for format in ["gguf", "peft"] {
+        let out = dir.path().join(format);
+        let o = export(format, &out);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{format}: {}", crate::common::show(&o));
+        assert!(
+            err.contains("output projection") && err.contains("--format merged"),
+            "{format}: {err}"
+        );
+        let files = std::fs::read_dir(&out).map(|d| d.count()).unwrap_or(0);
+        assert_eq!(files, 0, "{format}: a refused export wrote {files} files");
+    }
+    let out = dir.path().join("merged");
+    let o = export("merged", &out);
+    assert!(o.status.success(), "{}", crate::common::show(&o));
+    assert!(out.join("model.gguf").is_file() && out.join("adapter.gguf").is_file());
+}
