@@ -623,6 +623,43 @@ fn a_replayed_update_measures_again_and_writes_nothing() {
         "alpha 0: the outcome is the whole advantage"
     );
     assert_eq!(counts(), before);
+    // another preset on the same batch: its own ratio, clip and aggregation, the rest as
+    // recorded. Three epochs each: AdamW's first step is sign(g)·lr whatever the weighting, so
+    // the presets part from the second step on
+    let replay = |extra: &[&str]| -> (String, serde_json::Value) {
+        let out = turnwise(&db)
+            .args(["train", "--replay", "1", "--epochs", "3", "--json"])
+            .arg(&json)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", show(&out));
+        let v = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        (String::from_utf8_lossy(&out.stdout).into_owned(), v)
+    };
+    let (said, a2) = replay(&[]);
+    assert!(said.contains("(a2tgpo, alpha 0.3,"), "{said}");
+    let (said, grpo) = replay(&["--algo", "grpo"]);
+    assert!(
+        said.contains("(grpo instead of the recorded a2tgpo, alpha 0.3,"),
+        "{said}"
+    );
+    assert!(said.contains("epochs 3)"), "{said}");
+    assert_eq!(grpo["sessions"], recorded["sessions"]);
+    assert_eq!(
+        grpo["advantage_balance"]["outcome_share"].as_f64(),
+        Some(1.0),
+        "grpo's advantage is the outcome alone"
+    );
+    let (ka, kg) = (
+        a2["approx_kl"].as_f64().unwrap(),
+        grpo["approx_kl"].as_f64().unwrap(),
+    );
+    assert!(
+        (ka - kg).abs() > 1e-6,
+        "a token ratio moves the adapter elsewhere than a turn ratio: {ka} vs {kg}"
+    );
+    assert_eq!(counts(), before);
     // an update that does not exist
     let out = turnwise(&db)
         .args(["train", "--replay", "99"])

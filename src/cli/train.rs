@@ -41,8 +41,9 @@ pub struct TrainArgs {
     /// Preset: a2tgpo (turn ratio, adaptive clip 0.2/0.28), atpo (turn ratio, fixed clip),
     /// gspo (sequence ratio), grpo (token ratio, clip 0.2/0.28), gigpo (token ratio, step-group
     /// advantages), ppo-token (token ratio, windowed GAE on the value head), sft (warm start)
-    #[arg(long, value_enum, default_value_t = Algo::A2tgpo)]
-    algo: Algo,
+    /// (default a2tgpo; with --replay, the recorded update's preset)
+    #[arg(long, value_enum)]
+    algo: Option<Algo>,
     #[command(flatten)]
     sel: SelectArgs,
     #[command(flatten)]
@@ -148,6 +149,13 @@ pub struct TrainArgs {
     /// With --block-k: adapted projections, from q,k,v,o,gate,up,down
     #[arg(long, default_value = "q,v", requires = "block_k")]
     block_targets: String,
+}
+
+impl TrainArgs {
+    /// The preset: `--algo`, a2tgpo when not given.
+    fn algo(&self) -> Algo {
+        self.algo.unwrap_or(Algo::A2tgpo)
+    }
 }
 
 /// Supervised training of a block LoRA on logged sessions: teacher-forced cross-entropy on every
@@ -365,7 +373,7 @@ pub fn active_adapter(store: &Store) -> anyhow::Result<Option<(i64, Arc<Adapter>
 /// # Errors
 /// Selection, store and numerical errors (a rejected update leaves the active adapter as it was).
 pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
-    if args.block_k.is_some() && args.algo == Algo::Sft {
+    if args.block_k.is_some() && args.algo() == Algo::Sft {
         return run_block_sft(args, db);
     }
     if let Some(update) = args.replay {
@@ -375,7 +383,7 @@ pub fn run(args: TrainArgs, db: &Path) -> anyhow::Result<ExitCode> {
     let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
     store.set_policy_model(&assets::model_stamp_json(&model));
     let head = OutputHead::from_gguf(&model)?;
-    let mut cfg = TrainConfig::preset(args.algo);
+    let mut cfg = TrainConfig::preset(args.algo());
     args.learn.apply(&mut cfg);
     cfg.objective.tis_cap = args.tis;
     cfg.objective.kl_coef = args.kl_coef;
@@ -475,7 +483,7 @@ pub(super) fn gate_and_activate(
     if !args.activate {
         return Ok(ExitCode::SUCCESS);
     }
-    let bound = match (args.gate_kl, args.algo) {
+    let bound = match (args.gate_kl, args.algo()) {
         (Some(b), _) => b,
         (None, Algo::Sft) => f64::INFINITY,
         (None, _) => gate::DEFAULT_KL_BOUND,
@@ -537,6 +545,13 @@ pub(super) fn activate_checked(
     Ok(())
 }
 
+/// A preset's name as `--algo` spells it.
+fn preset_name(algo: Algo) -> String {
+    clap::ValueEnum::to_possible_value(&algo)
+        .map(|v| v.get_name().to_string())
+        .unwrap_or_else(|| format!("{algo:?}"))
+}
+
 /// `turnwise train --replay N`: update N again on the sessions it saw, with its recorded
 /// settings except those given on the command line, in dry-run mode.
 pub(super) fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Result<ExitCode> {
@@ -572,6 +587,10 @@ pub(super) fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Re
             args.sel.limit
         },
     };
+    let recorded = cfg.algo;
+    if let Some(algo) = args.algo {
+        cfg = cfg.with_preset(algo);
+    }
     args.learn.apply(&mut cfg);
     cfg.dry_run = true;
     let model = assets::resolve_model(args.sel.model.as_deref(), false)?;
@@ -580,11 +599,17 @@ pub(super) fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Re
     let d = &report.diagnostics;
     let b = &d.advantage_balance;
     println!(
-        "update {update} replayed: {} sessions, {} tokens, {} steps (alpha {}, process scale \
-         {:?}, dr_grpo {}, clip {:?} {}/{}, lr {}, epochs {})",
+        "update {update} replayed: {} sessions, {} tokens, {} steps ({}{}, alpha {}, process \
+         scale {:?}, dr_grpo {}, clip {:?} {}/{}, lr {}, epochs {})",
         d.sessions,
         d.tokens,
         d.steps,
+        preset_name(cfg.algo),
+        if cfg.algo == recorded {
+            String::new()
+        } else {
+            format!(" instead of the recorded {}", preset_name(recorded))
+        },
         cfg.alpha,
         cfg.process_scale,
         cfg.dr_grpo,

@@ -390,6 +390,27 @@ impl TrainConfig {
     }
 }
 
+impl TrainConfig {
+    /// Changes the preset of a configuration and keeps everything else: what `--algo`
+    /// decides (the ratio's granularity, the clip rule and widths, the aggregation, the
+    /// advantage estimator, γ) is taken from [`TrainConfig::preset`]; the schedule and the
+    /// run's other settings (lr, epochs, Dr.GRPO, α, seed, threads, …) stay as recorded. An
+    /// offline replay uses it to run a logged batch under another preset.
+    #[must_use]
+    pub fn with_preset(mut self, algo: Algo) -> Self {
+        let p = TrainConfig::preset(algo);
+        self.algo = algo;
+        self.objective.granularity = p.objective.granularity;
+        self.objective.clip = p.objective.clip;
+        self.objective.eps_low = p.objective.eps_low;
+        self.objective.eps_high = p.objective.eps_high;
+        self.objective.aggregation = p.objective.aggregation;
+        self.advantage = p.advantage;
+        self.gamma = p.gamma;
+        self
+    }
+}
+
 fn default_block_run_positions() -> usize {
     1024
 }
@@ -409,4 +430,46 @@ pub struct Selection {
     pub until: Option<String>,
     /// newest N
     pub limit: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn another_preset_changes_what_the_preset_decides_and_keeps_the_rest() {
+        // a recorded demo update: a2tgpo with the demo's schedule and α 0.1
+        let mut rec = TrainConfig::preset(Algo::A2tgpo);
+        rec.lr = 7e-4;
+        rec.epochs = 3;
+        rec.dr_grpo = true;
+        rec.alpha = 0.1;
+        rec.seed = 42;
+        let g = rec.clone().with_preset(Algo::Grpo);
+        let p = TrainConfig::preset(Algo::Grpo);
+        assert_eq!(g.algo, Algo::Grpo);
+        assert_eq!(g.objective.granularity, p.objective.granularity);
+        assert_eq!(g.objective.clip, p.objective.clip);
+        assert_eq!(
+            (g.objective.eps_low, g.objective.eps_high),
+            (p.objective.eps_low, p.objective.eps_high)
+        );
+        assert_eq!(g.objective.aggregation, p.objective.aggregation);
+        assert_eq!(g.advantage, p.advantage);
+        assert_eq!(
+            (g.lr, g.epochs, g.dr_grpo, g.alpha, g.seed),
+            (7e-4, 3, true, 0.1, 42)
+        );
+        // and back: the recorded preset's own switches return
+        let back = g.with_preset(Algo::A2tgpo);
+        assert_eq!(back.objective.granularity, rec.objective.granularity);
+        assert_eq!(back.objective.clip, rec.objective.clip);
+        assert_eq!(back.advantage, rec.advantage);
+        assert_eq!(
+            TrainConfig::preset(Algo::Gigpo)
+                .with_preset(Algo::Grpo)
+                .gamma,
+            p.gamma
+        );
+    }
 }
