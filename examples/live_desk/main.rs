@@ -82,10 +82,17 @@ customers measure the served policy; then the live log is replayed offline (docs
   --out DIR             run directory (live-runs/seed<S>-<time>)
   --bin PATH            the turnwise binary (the one beside this example)
   -- SERVE ARGS         passed to turnwise serve
-  --export-check        with --out DIR of a finished run: export its final adapter as a
+  --export-check        with --out DIR of a finished run (a live desk's, or a `turnwise demo`
+                        run's with --eval N held-out customers): export its final adapter as a
                         merged model file (`adapters export --format merged`) and play the
                         held-out customers on `turnwise serve` with the adapter and on
                         `turnwise serve --model model.gguf`; count identical transcripts
+  --llama-server PATH   with --export-check: play llama.cpp's own llama-server on the
+                        exported files (model.gguf, --lora adapter.gguf for a block LoRA)
+                        against `turnwise serve` with the adapter, both with plain OpenAI
+                        requests (no id_slot)
+  --llama-no-cache-prompt  with --llama-server: send cache_prompt false (every request
+                        evaluated from scratch instead of after the previous one's prefix)
   --pool DIR...         pool finished runs over their seeds and print the table
 ";
 
@@ -105,6 +112,8 @@ struct Opts {
     replay_sessions: usize,
     replay_only: bool,
     export_check: bool,
+    llama_server: Option<PathBuf>,
+    llama_cache_prompt: bool,
     pool: Vec<PathBuf>,
 }
 
@@ -125,6 +134,8 @@ fn opts() -> anyhow::Result<Opts> {
         replay_sessions: 96,
         replay_only: false,
         export_check: false,
+        llama_server: None,
+        llama_cache_prompt: true,
         pool: Vec::new(),
     };
     let mut args = std::env::args().skip(1);
@@ -145,6 +156,8 @@ fn opts() -> anyhow::Result<Opts> {
             "--replay-sessions" => o.replay_sessions = value()?.parse()?,
             "--replay-only" => o.replay_only = true,
             "--export-check" => o.export_check = true,
+            "--llama-server" => o.llama_server = Some(value()?.into()),
+            "--llama-no-cache-prompt" => o.llama_cache_prompt = false,
             "--pool" => {
                 o.pool = args.by_ref().map(PathBuf::from).collect();
                 return Ok(o);
@@ -216,6 +229,33 @@ fn play(
     learn: bool,
     sh: &Shared,
 ) -> anyhow::Result<Played> {
+    play_on(addr, sid, scenario, sampled, learn, Api::Turnwise, sh)
+}
+
+/// Which server a session is played against.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Api {
+    /// `turnwise serve`: the order ids said so far go in `id_slot`, the outcome is sent as
+    /// feedback and the session is ended
+    Turnwise,
+    /// `turnwise serve` as a plain OpenAI endpoint: no `id_slot` (a server without Turnwise's
+    /// slot filling answers the same request), feedback and end as above
+    TurnwisePlain,
+    /// llama.cpp's own `llama-server`: the OpenAI fields only (and whether it may reuse a
+    /// cached prompt prefix), no feedback or end
+    LlamaServer { cache_prompt: bool },
+}
+
+/// [`play`] against the server kind `api`.
+fn play_on(
+    addr: &str,
+    sid: &str,
+    scenario: &Scenario,
+    sampled: Option<u64>,
+    learn: bool,
+    api: Api,
+    sh: &Shared,
+) -> anyhow::Result<Played> {
     let mut desk = Desk::new(scenario.clone(), PATIENCE);
     let mut messages = vec![
         json!({"role": "system", "content": env::SYSTEM_PROMPT}),
@@ -223,11 +263,19 @@ fn play(
     ];
     let mut said = vec![scenario.opening()];
     for turn in 0.. {
-        let ids = env::order_ids_in(&said.join("\n"));
         let mut body = json!({
-            "messages": messages, "session_id": sid, "max_tokens": MAX_TOKENS,
-            "top_k": 0, "top_p": 1.0, "id_slot": ids, "learn": learn,
+            "messages": messages, "max_tokens": MAX_TOKENS, "top_k": 0, "top_p": 1.0,
         });
+        if !matches!(api, Api::LlamaServer { .. }) {
+            body["session_id"] = json!(sid);
+            body["learn"] = json!(learn);
+        }
+        if let Api::LlamaServer { cache_prompt } = api {
+            body["cache_prompt"] = json!(cache_prompt);
+        }
+        if api == Api::Turnwise {
+            body["id_slot"] = json!(env::order_ids_in(&said.join("\n")));
+        }
         match sampled {
             Some(seed) => {
                 body["temperature"] = json!(TEMPERATURE);
@@ -263,6 +311,13 @@ fn play(
         }
     }
     let reward = desk.reward().clamp(-1.0, 1.0);
+    if matches!(api, Api::LlamaServer { .. }) {
+        return Ok(Played {
+            success: desk.success(),
+            reward,
+            turns: desk.agent_turns,
+        });
+    }
     let (code, v) = common::request(
         addr,
         "POST",
@@ -550,9 +605,16 @@ fn main() -> anyhow::Result<()> {
                 .as_u64()
                 .with_context(|| format!("{} has no `{key}`", p.display()))
         };
-        o.seed = setting("seed")?;
-        o.demos = usize::try_from(setting("demos")?)?;
-        o.eval = usize::try_from(setting("eval_scenarios")?)?;
+        let demo_run = result["seed"].is_null() && result["config"]["seed"].is_u64();
+        if o.export_check && demo_run {
+            // a `turnwise demo` run: its seed draws the held-out customers, --eval counts them
+            // (the check plays the live desk's held-out draw, not the demo's evaluation set)
+            o.seed = result["config"]["seed"].as_u64().unwrap_or(o.seed);
+        } else {
+            o.seed = setting("seed")?;
+            o.demos = usize::try_from(setting("demos")?)?;
+            o.eval = usize::try_from(setting("eval_scenarios")?)?;
+        }
         println!(
             "{} of {}: seed {}, {} demonstrations, {} held-out scenarios (the run's own)",
             if o.export_check {
@@ -568,6 +630,11 @@ fn main() -> anyhow::Result<()> {
         if o.export_check {
             let summary = export_check::export_check(&o, &dir, &result)?;
             println!("{}", serde_json::to_string_pretty(&summary)?);
+            if demo_run {
+                // the demo's own report stays as the demo wrote it; the check's summary is in
+                // export-check/export-check.json
+                return Ok(());
+            }
             result["export_check"] = summary;
         } else {
             result["replay"] = replay::replay(&o, &dir, &result)?;
@@ -657,22 +724,50 @@ fn write_report(dir: &Path, result: &Value) -> anyhow::Result<()> {
         md.push_str(&replay::markdown(&result["replay"]));
     }
     let x = &result["export_check"];
-    if x.is_object() {
-        let _ = write!(
-            md,
-            "\n## The final adapter outside Turnwise\n\nAdapter {} exported with `adapters export \
-             --format merged` ({:.0} MB); the held-out customers played greedily on `turnwise \
-             serve` with the adapter and on `turnwise serve --model model.gguf`: {} of {} \
-             transcripts identical, {} of {} replies; held-out success {}/{} served, {}/{} \
-             merged (the run's end evaluation: {}/{}).\n",
-            x["adapter"],
-            x["merged_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+    // how often the two servers agreed, and the served side's held-out success
+    let agreement = |x: &Value| {
+        format!(
+            "{} of {} transcripts identical, {} of {} replies; held-out success {}/{} served",
             x["identical_transcripts"],
             x["scenarios"],
             x["identical_replies"],
             x["replies_compared"],
             x["served_successes"],
             x["scenarios"],
+        )
+    };
+    if x.is_object() && x["llama_server"].is_string() {
+        let _ = write!(
+            md,
+            "\n## The final adapter in llama.cpp's own server\n\nAdapter {} exported with \
+             `adapters export --format merged` ({:.0} MB{}); the held-out customers played \
+             greedily with plain OpenAI requests (no `id_slot`) on `turnwise serve` with the \
+             adapter and on `llama-server` ({}) with the exported files: {}, {}/{} \
+             llama-server.\n",
+            x["adapter"],
+            x["merged_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+            if x["block_lora"].is_string() {
+                " and the block LoRA as `--lora`"
+            } else {
+                ""
+            },
+            x["llama_server_version"]
+                .as_str()
+                .unwrap_or("version unknown"),
+            agreement(x),
+            x["llama_server_successes"],
+            x["scenarios"],
+        );
+    } else if x.is_object() {
+        let _ = write!(
+            md,
+            "\n## The final adapter outside Turnwise\n\nAdapter {} exported with `adapters export \
+             --format merged` ({:.0} MB); the held-out customers played greedily on `turnwise \
+             serve` with the adapter and on `turnwise serve --model model.gguf`: {}, {}/{} \
+             merged (the run's end evaluation: {}/{}).\n",
+            x["adapter"],
+            x["merged_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+            agreement(x),
             x["merged_successes"],
             x["scenarios"],
             x["run_end_successes"]["successes"],
