@@ -266,15 +266,15 @@ fn play_on(
         let mut body = json!({
             "messages": messages, "max_tokens": MAX_TOKENS, "top_k": 0, "top_p": 1.0,
         });
-        if !matches!(api, Api::LlamaServer { .. }) {
-            body["session_id"] = json!(sid);
-            body["learn"] = json!(learn);
-        }
-        if let Api::LlamaServer { cache_prompt } = api {
-            body["cache_prompt"] = json!(cache_prompt);
-        }
-        if api == Api::Turnwise {
-            body["id_slot"] = json!(env::order_ids_in(&said.join("\n")));
+        match api {
+            Api::LlamaServer { cache_prompt } => body["cache_prompt"] = json!(cache_prompt),
+            Api::Turnwise | Api::TurnwisePlain => {
+                body["session_id"] = json!(sid);
+                body["learn"] = json!(learn);
+                if api == Api::Turnwise {
+                    body["id_slot"] = json!(env::order_ids_in(&said.join("\n")));
+                }
+            }
         }
         match sampled {
             Some(seed) => {

@@ -545,13 +545,6 @@ pub(super) fn activate_checked(
     Ok(())
 }
 
-/// A preset's name as `--algo` spells it.
-fn preset_name(algo: Algo) -> String {
-    clap::ValueEnum::to_possible_value(&algo)
-        .map(|v| v.get_name().to_string())
-        .unwrap_or_else(|| format!("{algo:?}"))
-}
-
 /// `turnwise train --replay N`: update N again on the sessions it saw, with its recorded
 /// settings except those given on the command line, in dry-run mode.
 pub(super) fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Result<ExitCode> {
@@ -604,11 +597,11 @@ pub(super) fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Re
         d.sessions,
         d.tokens,
         d.steps,
-        preset_name(cfg.algo),
+        cfg.algo.name(),
         if cfg.algo == recorded {
             String::new()
         } else {
-            format!(" instead of the recorded {}", preset_name(recorded))
+            format!(" instead of the recorded {}", recorded.name())
         },
         cfg.alpha,
         cfg.process_scale,

@@ -30,6 +30,15 @@ pub enum Algo {
     Sft,
 }
 
+impl Algo {
+    /// The preset's name as `--algo` spells it (`a2tgpo`, `ppo-token`, …).
+    pub fn name(self) -> String {
+        clap::ValueEnum::to_possible_value(&self)
+            .map(|v| v.get_name().to_string())
+            .unwrap_or_else(|| format!("{self:?}"))
+    }
+}
+
 /// How per-turn advantages are formed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -388,9 +397,7 @@ impl TrainConfig {
             dry_run: false,
         }
     }
-}
 
-impl TrainConfig {
     /// Changes the preset of a configuration and keeps everything else: what `--algo`
     /// decides (the ratio's granularity, the clip rule and widths, the aggregation, the
     /// advantage estimator, γ) is taken from [`TrainConfig::preset`]; the schedule and the
