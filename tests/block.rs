@@ -879,13 +879,15 @@ fn an_rl_update_trains_a_block_lora_from_logged_sessions() {
     );
 }
 
-/// `turnwise demo --quick --adapter block --val 4`: the rollouts log block inputs, every RL
-/// update trains the block LoRA through the block graph (first ratio 1, the output LoRA kept),
-/// and the validation gate replays every scenario with the active adapter (two block LoRAs do
-/// not share hidden states, so the shadow shortcut does not apply).
+/// `turnwise demo --quick --adapter block --val 4`: the warm start fits the block LoRA alone
+/// (no output LoRA underneath: `B = 0`), the rollouts log block inputs, every RL update trains
+/// the block LoRA through the block graph (first ratio 1, the output LoRA kept at zero), the
+/// validation gate replays every scenario with the active adapter (two block LoRAs do not share
+/// hidden states, so the shadow shortcut does not apply), and `adapters export --format gguf`
+/// carries the final adapter whole.
 #[test]
 fn the_demo_trains_a_block_lora_with_rl() {
-    let (_dir, out, _, r) = crate::demo::quick_demo(&["--adapter", "block", "--val", "4"]);
+    let (dir, out, _, r) = crate::demo::quick_demo(&["--adapter", "block", "--val", "4"]);
     assert_eq!(r["config"]["rl"]["block"]["k"], 2);
     let its = r["iterations"].as_array().unwrap();
     assert!(!its.is_empty());
@@ -893,7 +895,48 @@ fn the_demo_trains_a_block_lora_with_rl() {
     let load = |id: i64| {
         turnwise::adapter::Adapter::load(&turnwise::adapter::adapter_dir(&db, id)).unwrap()
     };
-    let warm = load(r["warm_adapter"].as_i64().unwrap());
+    let warm_id = r["warm_adapter"].as_i64().unwrap();
+    let warm = load(warm_id);
+    assert!(
+        warm.b.iter().all(|&x| x == 0.0),
+        "the block warm start carries an output LoRA"
+    );
+    let wb = warm
+        .block
+        .as_ref()
+        .expect("the warm start holds a block LoRA");
+    assert!(
+        wb.factors.b.iter().any(|m| m.iter().any(|&x| x != 0.0)),
+        "the block warm start is untrained"
+    );
+    let store = turnwise::store::Store::open(&db).unwrap();
+    let newest = store
+        .adapters()
+        .unwrap()
+        .iter()
+        .map(|a| a.id)
+        .max()
+        .unwrap();
+    assert!(
+        store.adapter(warm_id).unwrap().parent_id.is_none(),
+        "the block warm start should not descend from an output-LoRA version"
+    );
+    drop(store);
+    let gguf = dir.path().join("export");
+    let o = crate::common::turnwise(&db)
+        .args([
+            "adapters",
+            "export",
+            &newest.to_string(),
+            "--format",
+            "gguf",
+        ])
+        .arg("--out")
+        .arg(&gguf)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", crate::common::show(&o));
+    assert!(gguf.join("adapter.gguf").is_file());
     let updated: Vec<&serde_json::Value> =
         its.iter().filter(|it| it["candidate"].is_i64()).collect();
     assert!(!updated.is_empty(), "no update wrote a candidate");

@@ -90,8 +90,9 @@ pub struct DemoArgs {
     block_warm: Option<usize>,
     /// Which LoRA RL trains: `output` (on the output projection, applied at every sampled
     /// token) or `block` (on q,v of the last --block-k blocks, r 8, served by llama.cpp; the
-    /// warm start trains it on the demonstrations too, the sessions log their block inputs, and
-    /// the gap between the graph and llama.cpp is TIS-corrected, cap 2)
+    /// warm start trains it alone on the demonstrations, with no output LoRA underneath, so
+    /// `adapters export --format gguf` carries the whole policy; the sessions log their block
+    /// inputs, and the gap between the graph and llama.cpp is TIS-corrected, cap 2)
     #[arg(long, value_enum)]
     adapter: Option<AdapterKind>,
     /// With --adapter block: how many of the model's last blocks carry the LoRA

@@ -285,7 +285,7 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         "RL trains {}.\n",
         match &c.rl.block {
             Some(b) => format!(
-                "a LoRA on {} of the last {} blocks (r {}, alpha {}), served by llama.cpp; old and new log-probs from the block graph, TIS cap {}",
+                "a LoRA on {} of the last {} blocks (r {}, alpha {}), served by llama.cpp with no output-projection LoRA (the warm start fits it alone), so `adapters export --format gguf` carries the whole policy; old and new log-probs from the block graph, TIS cap {}",
                 b.targets.join(","),
                 b.k,
                 b.r,

@@ -43,21 +43,29 @@ impl Demo<'_> {
             limit: self.cfg.demos,
         };
         progress(Progress::Phase("warm start", 1));
-        let r = run_update(
-            &mut self.store,
-            &self.db,
-            self.head,
-            None,
-            &cfg,
-            &sel,
-            |_, _, _| {},
-        )?;
-        let id = r
-            .adapter_id
-            .ok_or_else(|| Error::Invalid("the warm start wrote no adapter".into()))?;
-        let id = match self.cfg.block_warm {
-            Some(k) => self.block_warm_start(id, k, progress)?,
-            None => id,
+        let id = match (self.cfg.block_warm, &self.cfg.rl.block) {
+            // the block LoRA is the adapter RL trains: it is fitted alone, with no output LoRA
+            // underneath, so that what is served is what `adapters export --format gguf`
+            // carries (llama.cpp cannot attach an output LoRA to a tied output projection)
+            (Some(k), Some(_)) => self.block_warm_start(None, k, progress)?,
+            (block_warm, _) => {
+                let r = run_update(
+                    &mut self.store,
+                    &self.db,
+                    self.head,
+                    None,
+                    &cfg,
+                    &sel,
+                    |_, _, _| {},
+                )?;
+                let id = r
+                    .adapter_id
+                    .ok_or_else(|| Error::Invalid("the warm start wrote no adapter".into()))?;
+                match block_warm {
+                    Some(k) => self.block_warm_start(Some(id), k, progress)?,
+                    None => id,
+                }
+            }
         };
         self.activate(id)?;
         self.result.warm_adapter = Some(id);
@@ -68,10 +76,12 @@ impl Demo<'_> {
 
     /// Trains a block LoRA (q,v, r = 8, last `k` blocks) on the imported demonstrations, on top
     /// of the output-LoRA warm start `parent` (fixed: the policy trained is the one served), and
-    /// writes it, with `parent`'s other parts, as a new version.
+    /// writes it, with `parent`'s other parts, as a new version. Without a parent it is trained
+    /// on the base model's output projection and written with a zero output LoRA (`B = 0`) and
+    /// a fresh value head.
     pub(super) fn block_warm_start(
         &mut self,
-        parent: i64,
+        parent: Option<i64>,
         k: usize,
         progress: &mut dyn FnMut(Progress),
     ) -> Result<i64> {
@@ -129,8 +139,17 @@ impl Demo<'_> {
         let steps = (self.cfg.warm.epochs * data.len().div_ceil(batch)).min(150);
         progress(Progress::Phase("block warm start", steps));
         // served on top of the parent's output LoRA: trained on top of it
-        let rec = self.store.adapter(parent)?;
-        let adapter = Adapter::load(Path::new(&rec.path))?;
+        let adapter = match parent {
+            Some(parent) => Adapter::load(Path::new(&self.store.adapter(parent)?.path))?,
+            None => Adapter::fresh(
+                self.head.n_embd(),
+                self.head.n_vocab(),
+                self.cfg.warm.rank,
+                self.cfg.warm.lora_alpha,
+                self.cfg.seed,
+                "",
+            ),
+        };
         let fit = fit_block_sft(
             &mut self.store,
             &self.db,
@@ -140,7 +159,7 @@ impl Demo<'_> {
                 lora,
                 parent_lora: None,
                 adapter,
-                parent: Some(parent),
+                parent,
                 sft: SftConfig {
                     steps,
                     batch,
