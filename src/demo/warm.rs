@@ -138,8 +138,8 @@ impl Demo<'_> {
         let batch = 4;
         let steps = (self.cfg.warm.epochs * data.len().div_ceil(batch)).min(150);
         progress(Progress::Phase("block warm start", steps));
-        // served on top of the parent's output LoRA: trained on top of it
         let adapter = match parent {
+            // served on top of the parent's output LoRA: trained on top of it
             Some(parent) => Adapter::load(Path::new(&self.store.adapter(parent)?.path))?,
             None => Adapter::fresh(
                 self.head.n_embd(),
