@@ -659,6 +659,30 @@ fn a_replayed_update_measures_again_and_writes_nothing() {
         (ka - kg).abs() > 1e-6,
         "a token ratio moves the adapter elsewhere than a turn ratio: {ka} vs {kg}"
     );
+    // a tight token guard inside the turn ratio stops tokens that the turn clip lets through
+    let (said, guarded) = replay(&["--token-guard", "0.01,0.01"]);
+    assert!(
+        said.contains("Turn ratios") && said.contains("token guard 0.01/0.01"),
+        "{said}"
+    );
+    let clipped = |v: &serde_json::Value| {
+        v["candidate"]["clip_frac_low"].as_f64().unwrap()
+            + v["candidate"]["clip_frac_high"].as_f64().unwrap()
+    };
+    assert!(
+        clipped(&guarded) > clipped(&a2),
+        "{} vs {}",
+        clipped(&guarded),
+        clipped(&a2)
+    );
+    for (bad, says) in [("0.2", "LOW,HIGH"), ("1.5,0.2", "token guard")] {
+        let out = turnwise(&db)
+            .args(["train", "--replay", "1", "--token-guard", bad])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad}");
+        assert!(show(&out).contains(says), "{bad}: {}", show(&out));
+    }
     assert_eq!(counts(), before);
     // an update that does not exist
     let out = turnwise(&db)

@@ -51,6 +51,11 @@ pub struct LearnArgs {
     /// Upper clip width ε_high [preset: a2tgpo, atpo, grpo 0.28; gspo 4e-3]
     #[arg(long)]
     pub eps_high: Option<f64>,
+    /// Token guard inside turn / sequence ratios, `LOW,HIGH` (e.g. 0.2,0.28) or `off`: a token
+    /// whose own ratio has left [1 − LOW, 1 + HIGH] on its advantage's side stops getting
+    /// gradient while its turn's ratio is still inside the turn clip [off]
+    #[arg(long, value_parser = parse_guard)]
+    pub token_guard: Option<Guard>,
     /// Loss aggregation [preset]
     #[arg(long, value_enum)]
     pub aggregation: Option<Aggregation>,
@@ -71,6 +76,20 @@ pub struct LearnArgs {
     /// [as-outcome]
     #[arg(long, value_enum)]
     pub process_scale: Option<ProcessScale>,
+}
+
+/// `--token-guard`: the widths, or None for `off`.
+#[derive(Clone, Copy)]
+pub struct Guard(Option<(f64, f64)>);
+
+fn parse_guard(s: &str) -> Result<Guard, String> {
+    if s == "off" {
+        return Ok(Guard(None));
+    }
+    let bad = || format!("expected LOW,HIGH (two widths, e.g. 0.2,0.28) or off, got {s:?}");
+    let (lo, hi) = s.split_once(',').ok_or_else(bad)?;
+    let w = |x: &str| x.trim().parse::<f64>().map_err(|_| bad());
+    Ok(Guard(Some((w(lo)?, w(hi)?))))
 }
 
 impl LearnArgs {
@@ -99,6 +118,9 @@ impl LearnArgs {
         }
         if let Some(v) = self.eps_high {
             cfg.objective.eps_high = v;
+        }
+        if let Some(Guard(v)) = self.token_guard {
+            cfg.objective.token_guard = v;
         }
         if let Some(v) = self.aggregation {
             cfg.objective.aggregation = v;

@@ -593,7 +593,7 @@ pub(super) fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Re
     let b = &d.advantage_balance;
     println!(
         "update {update} replayed: {} sessions, {} tokens, {} steps ({}{}, alpha {}, process \
-         scale {:?}, dr_grpo {}, clip {:?} {}/{}, lr {}, epochs {})",
+         scale {:?}, dr_grpo {}, {:?} ratios, clip {:?} {}/{}{}, lr {}, epochs {})",
         d.sessions,
         d.tokens,
         d.steps,
@@ -606,9 +606,13 @@ pub(super) fn run_replay(args: &TrainArgs, db: &Path, update: i64) -> anyhow::Re
         cfg.alpha,
         cfg.process_scale,
         cfg.dr_grpo,
+        cfg.objective.granularity,
         cfg.objective.clip,
         cfg.objective.eps_low,
         cfg.objective.eps_high,
+        cfg.objective
+            .active_guard()
+            .map_or(String::new(), |(lo, hi)| format!(", token guard {lo}/{hi}")),
         cfg.lr,
         cfg.epochs
     );

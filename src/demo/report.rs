@@ -226,7 +226,7 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
          Order ids written through the id slot (only ids the conversation holds): {}. \
          Customers repeat their request when they give the order id: {}. \
          Warm start: {} scripted-expert demonstrations, {} epochs of supervised fine-tuning{}. \
-         RL: {} scenarios{} × {} rollouts per iteration at temperature {}{}, lr {}, clip range [1 − {}, 1 + {}], {} epochs, process signal `{:?}`{}, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
+         RL: {} scenarios{} × {} rollouts per iteration at temperature {}{}, lr {}, {:?} ratios, clip range [1 − {}, 1 + {}]{}, {} epochs, process signal `{:?}`{}, digit tokens {}, gate |approx KL| ≤ {}{}, experience library {}. Sessions played on {} llama.cpp engine(s).\n",
         r.model, model_file_line(&r.model_file), c.eval_scenarios, c.patience, c.max_tokens,
         if c.id_slot { "on" } else { "off" },
         if c.restate { "on" } else { "off" },
@@ -242,7 +242,9 @@ pub fn markdown(r: &DemoResult, plots: &[PathBuf], plot_note: Option<&str>) -> S
         c.group_size, c.temperature,
         if c.greedy_digits { " (digits greedy)" } else { "" },
         c.rl.lr,
+        c.rl.objective.granularity,
         c.rl.objective.eps_low, c.rl.objective.eps_high,
+        c.rl.objective.active_guard().map_or(String::new(), |(lo, hi)| format!(" (token guard [1 − {lo}, 1 + {hi}])")),
         c.rl.epochs, c.process,
         if c.process == crate::demo::ProcessSignal::InfoGain {
             use crate::learn::annotate::{IgContext, IgPolicy, IgSpace};

@@ -39,6 +39,9 @@ pub enum StepKind {
         kl: bool,
         /// subtract `ent_coef · Σ w_ent · H` (full-softmax entropy)
         entropy: bool,
+        /// the token guard of sequence / turn ratios: a token's gradient passes only while its
+        /// own log-ratio is inside `[glo, ghi]`
+        guard: bool,
     },
     /// `−Σ w · logp` (supervised warm start); with `digit_class`, a token marked in `cls`
     /// contributes `log Σ_{digits} p` (the `dmask` columns) instead of its own log-prob
@@ -107,6 +110,7 @@ pub(crate) fn objective(g: &mut Graph, kind: StepKind, z: V) -> (V, V) {
             granularity,
             kl,
             entropy,
+            guard,
         } => {
             let old = g.input("old", &[Sym("T")], false);
             let adv = g.input("adv", &[Sym("T")], false);
@@ -122,8 +126,18 @@ pub(crate) fn objective(g: &mut Graph, kind: StepKind, z: V) -> (V, V) {
                     let col = g.reshape(lr_sg, &[-1, 1]);
                     let mean = g.matmul(gm, col);
                     let mean = g.reshape(mean, &[-1]);
-                    let lp_sg = g.stop_gradient(lp);
-                    let d = g.sub(lp, lp_sg);
+                    // the gradient path: logπ itself, or with the guard the token's log-ratio
+                    // clamped to its bounds (no gradient outside them; the value is unchanged)
+                    let path = if guard {
+                        let glo = g.input("glo", &[Sym("T")], false);
+                        let ghi = g.input("ghi", &[Sym("T")], false);
+                        let c = g.min(lr, ghi);
+                        g.max(c, glo)
+                    } else {
+                        lp
+                    };
+                    let path_sg = g.stop_gradient(path);
+                    let d = g.sub(path, path_sg);
                     g.add(mean, d)
                 }
             };
@@ -189,6 +203,8 @@ pub struct ObjectiveInputs<'a> {
     pub hi: Vec<f32>,
     /// group-mean matrix (sequence / turn ratios)
     pub gmat: Option<Array2<f32>>,
+    /// the token guard's bounds on each token's log-ratio, `(low, high)`
+    pub guard: Option<(Vec<f32>, Vec<f32>)>,
     /// KL: reference log-probs, weights, coefficient
     pub kl: Option<(Vec<f32>, Vec<f32>, f32)>,
     /// entropy bonus: weights, coefficient
@@ -215,6 +231,7 @@ impl<'a> ObjectiveInputs<'a> {
                 .gmat
                 .as_ref()
                 .map(|m| m.slice(ndarray::s![r.clone(), r.clone()]).to_owned()),
+            guard: self.guard.as_ref().map(|(l, h)| (v(l), v(h))),
             kl: self.kl.as_ref().map(|(l, w, c)| (v(l), v(w), *c)),
             entropy: self.entropy.as_ref().map(|(w, c)| (v(w), *c)),
             digit_class: self.digit_class.as_ref().map(|(d, c)| (d.clone(), v(c))),
@@ -232,6 +249,7 @@ impl<'a> ObjectiveInputs<'a> {
             lo: vec![1.0; n],
             hi: vec![1.0; n],
             gmat: None,
+            guard: None,
             kl: None,
             entropy: None,
             digit_class: None,
@@ -294,6 +312,7 @@ pub(crate) fn objective_feed(
         granularity,
         kl,
         entropy,
+        guard,
     } = kind
     {
         if entropy {
@@ -319,6 +338,14 @@ pub(crate) fn objective_feed(
                 .as_ref()
                 .ok_or_else(|| Error::Invalid("group matrix missing".into()))?;
             inputs.push(("gmat", tensor(m.view())?.into()));
+            if guard {
+                let (gl, gh) = x
+                    .guard
+                    .as_ref()
+                    .ok_or_else(|| Error::Invalid("token guard bounds missing".into()))?;
+                inputs.push(("glo", vec(gl)?.into()));
+                inputs.push(("ghi", vec(gh)?.into()));
+            }
         }
         if kl {
             let (rf, wk, c) =

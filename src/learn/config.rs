@@ -277,6 +277,11 @@ impl TrainConfig {
         if !steps_ok {
             return bad("GiGPO similarity must be in (0, 1], GAE lambda in [0, 1], the GAE window at least 1");
         }
+        if o.token_guard
+            .is_some_and(|(lo, hi)| !(lo > 0.0 && lo < 1.0 && positive(hi)))
+        {
+            return bad("the token guard needs 0 < eps_low < 1 and eps_high > 0");
+        }
         if o.tis_cap.is_some_and(|c| !(c.is_finite() && c >= 1.0)) {
             return bad("the TIS cap must be at least 1");
         }
@@ -360,6 +365,7 @@ impl TrainConfig {
                 kl_coef: 0.0,
                 entropy_coef: 0.0,
                 mis: false,
+                token_guard: None,
             },
             dr_grpo: false,
             drop_uninformative: false,

@@ -64,6 +64,20 @@ pub struct ObjectiveConfig {
     /// the aggregation's denominators
     #[serde(default)]
     pub mis: bool,
+    /// token guard inside sequence / turn ratios: `(ε_low, ε_high)` of each token's own ratio.
+    /// A token whose ratio has left `[1 − ε_low, 1 + ε_high]` on the side its advantage pushes
+    /// toward gets no policy gradient, even while its group's ratio is inside the group's clip
+    /// (None: off; token ratios have their own clip and ignore it)
+    #[serde(default)]
+    pub token_guard: Option<(f64, f64)>,
+}
+
+impl ObjectiveConfig {
+    /// The token guard's widths when it acts: set, and the ratio is not per token.
+    pub fn active_guard(&self) -> Option<(f64, f64)> {
+        self.token_guard
+            .filter(|_| self.granularity != Granularity::Token)
+    }
 }
 
 /// One batch of assistant tokens, flattened.
@@ -98,9 +112,10 @@ pub struct SurrogateStats {
     pub policy_loss: f64,
     /// k3 KL to the base policy, aggregated like the loss
     pub kl_ref: f64,
-    /// share of tokens clipped at the low side
+    /// share of tokens clipped at the low side (with the token guard: or stopped by it with a
+    /// negative advantage)
     pub clip_low_frac: f64,
-    /// share clipped at the high side
+    /// share clipped at the high side (or stopped by the guard with a positive advantage)
     pub clip_high_frac: f64,
     /// mean ratio (before truncation)
     pub ratio_mean: f64,
@@ -172,6 +187,29 @@ pub fn clip_bounds(cfg: &ObjectiveConfig, b: &TokenBatch) -> Vec<(f64, f64, f64)
             }
         })
         .collect()
+}
+
+/// The token guard's per-token bounds on the token's log-ratio, `(low, high)`: a token with a
+/// positive advantage keeps its gradient while `lr ≤ ln(1 + ε_high)`, one with a negative
+/// advantage while `lr ≥ ln(1 − ε_low)`; the other side is open (±1e30). None when the guard is
+/// off or the ratio is per token.
+pub fn guard_bounds(cfg: &ObjectiveConfig, b: &TokenBatch) -> Option<Vec<(f64, f64)>> {
+    let (lo, hi) = cfg.active_guard()?;
+    let open = 1e30;
+    Some(
+        b.adv
+            .iter()
+            .map(|&a| {
+                if a > 0.0 {
+                    (-open, hi.ln_1p())
+                } else if a < 0.0 {
+                    ((-lo).ln_1p(), open)
+                } else {
+                    (-open, open)
+                }
+            })
+            .collect(),
+    )
 }
 
 /// Per-token weight of the policy term: aggregation weight × TIS weight
@@ -251,6 +289,7 @@ pub fn surrogate(
     let w = aggregation_weights(b, cfg.aggregation);
     let wt = policy_weights(cfg, b);
     let bounds = clip_bounds(cfg, b);
+    let guard = guard_bounds(cfg, b);
     let mut grad = vec![0.0; n];
     let mut st = SurrogateStats::default();
     let (mut loss, mut kl) = (0.0, 0.0);
@@ -272,15 +311,27 @@ pub fn surrogate(
         let clipped = s.clamp(lo, hi);
         let (un, cl) = (s * a, clipped * a);
         let active = un <= cl;
+        // the guard stops a token that its group's term would still move (a guarded token
+        // counts as clipped on its advantage's side)
+        let guarded = active
+            && guard
+                .as_ref()
+                .is_some_and(|g| !(g[k].0 <= lr[k] && lr[k] <= g[k].1));
         if !active {
             if s < lo {
                 st.clip_low_frac += 1.0;
             } else {
                 st.clip_high_frac += 1.0;
             }
+        } else if guarded {
+            if a < 0.0 {
+                st.clip_low_frac += 1.0;
+            } else {
+                st.clip_high_frac += 1.0;
+            }
         }
         loss -= wt[k] * un.min(cl);
-        if active && !clamped {
+        if active && !clamped && !guarded {
             grad[k] -= wt[k] * s * a;
         }
         if cfg.kl_coef > 0.0 {
@@ -524,6 +575,7 @@ mod tests {
             kl_coef: 0.05,
             entropy_coef: 0.0,
             mis: false,
+            token_guard: None,
         }
     }
 
@@ -604,6 +656,55 @@ mod tests {
         // a larger drift of the untrainable token alone clips the whole turn (exp(0.3) > 1.28)
         let (_, g, st) = surrogate(&c, &b, &[-0.9, -0.3, -0.9]);
         assert!(g.iter().all(|&x| x == 0.0) && st.clip_high_frac == 1.0);
+    }
+
+    #[test]
+    fn the_token_guard_stops_tokens_past_their_own_bound_inside_an_active_turn() {
+        // one turn of three tokens, log-ratios 0.05, 0.2, −0.25: the turn's ratio is exp(0) = 1,
+        // inside the turn clip; guard (0.2, 0.1): bounds ln 0.8 = −0.223 and ln 1.1 = 0.0953
+        let b = |adv: f64| TokenBatch {
+            seq: vec![0; 3],
+            turn: vec![0; 3],
+            adv: vec![adv; 3],
+            ig_hat: vec![0.0; 3],
+            final_turn: vec![true; 3],
+            logp_old: vec![-1.0; 3],
+            logp_behavior: vec![-1.0; 3],
+            logp_ref: vec![-1.0; 3],
+            trainable: Vec::new(),
+        };
+        let mut c = cfg(Granularity::Turn, ClipMode::Fixed, Aggregation::TokenMean);
+        c.kl_coef = 0.0;
+        c.tis_cap = None;
+        c.token_guard = Some((0.2, 0.1));
+        let lp = [-0.95, -0.8, -1.25];
+        let third = 1.0 / 3.0;
+        // A = +1: the token at 0.2 is past 1.1 on the side the advantage pushes: stopped
+        let (loss, g, st) = surrogate(&c, &b(1.0), &lp);
+        assert!((loss + 1.0).abs() < 1e-12, "{loss}");
+        assert!((g[0] + third).abs() < 1e-12 && g[1] == 0.0 && (g[2] + third).abs() < 1e-12);
+        assert!((st.clip_high_frac - third).abs() < 1e-12 && st.clip_low_frac == 0.0);
+        // A = −1: now the token at −0.25 (below 0.8) is stopped, the one at 0.2 is free
+        let (loss, g, st) = surrogate(&c, &b(-1.0), &lp);
+        assert!((loss - 1.0).abs() < 1e-12, "{loss}");
+        assert!((g[0] - third).abs() < 1e-12 && (g[1] - third).abs() < 1e-12 && g[2] == 0.0);
+        assert!((st.clip_low_frac - third).abs() < 1e-12 && st.clip_high_frac == 0.0);
+        // without the guard, or with token ratios (their own clip), every token is free
+        for c in [
+            ObjectiveConfig {
+                token_guard: None,
+                ..c.clone()
+            },
+            ObjectiveConfig {
+                granularity: Granularity::Token,
+                eps_low: 0.9,
+                eps_high: 5.0,
+                ..c.clone()
+            },
+        ] {
+            let (_, g, _) = surrogate(&c, &b(1.0), &lp);
+            assert!(g.iter().all(|&x| x < 0.0), "{:?}: {g:?}", c.granularity);
+        }
     }
 
     #[test]

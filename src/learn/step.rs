@@ -8,7 +8,7 @@ use ndarray::{Array2, ArrayView2};
 
 use super::config::{Backend, TrainConfig};
 use super::objective::{
-    aggregation_weights, clip_bounds, group_mean_matrix, lora_class_ce_and_grad,
+    aggregation_weights, clip_bounds, group_mean_matrix, guard_bounds, lora_class_ce_and_grad,
     lora_loss_and_grad, lora_loss_and_grad_entropy, policy_weights, surrogate, Aggregation,
     Granularity, SurrogateStats, TokenBatch,
 };
@@ -58,6 +58,7 @@ fn step_kind(cfg: &TrainConfig, sft: bool) -> StepKind {
             granularity: cfg.objective.granularity,
             kl: cfg.objective.kl_coef > 0.0,
             entropy: cfg.objective.entropy_coef > 0.0,
+            guard: cfg.objective.active_guard().is_some(),
         }
     }
 }
@@ -413,6 +414,16 @@ pub(super) fn step_inputs<'a>(
             hi: bounds.iter().map(|b| b.1 as f32).collect(),
             gmat: (!sft && cfg.objective.granularity != Granularity::Token)
                 .then(|| group_mean_matrix(&cfg.objective, &mb.batch).mapv(|x| x as f32)),
+            guard: (!sft)
+                .then(|| {
+                    guard_bounds(&cfg.objective, &mb.batch).map(|g| {
+                        (
+                            g.iter().map(|b| b.0 as f32).collect(),
+                            g.iter().map(|b| b.1 as f32).collect(),
+                        )
+                    })
+                })
+                .flatten(),
             kl: (cfg.objective.kl_coef > 0.0).then(|| {
                 (
                     f(&mb.batch.logp_ref),
@@ -545,27 +556,36 @@ mod tests {
             trainable: vec![true, false, true, true, true, false, true],
         };
         let mb = minibatch(&base, &h, &tokens, batch.clone());
-        for g in [Granularity::Token, Granularity::Sequence, Granularity::Turn] {
-            for c in [
-                ClipMode::Fixed,
-                ClipMode::Adaptive,
-                ClipMode::AdvantageScaled,
-            ] {
-                let mut cfg = TrainConfig::preset(Algo::A2tgpo);
-                cfg.objective = ObjectiveConfig {
-                    granularity: g,
-                    clip: c,
-                    eps_low: 0.2,
-                    eps_high: 0.28,
-                    clip_beta: 0.3,
-                    aggregation: Aggregation::SeqMeanTokenMean,
-                    tis_cap: Some(2.0),
-                    kl_coef: 0.1,
-                    entropy_coef: 0.05,
-                    mis: false,
-                };
-                let w_ent = aggregation_weights(&batch, cfg.objective.aggregation);
-                let (l_ref, lp_ref, da_ref, db_ref) = lora_loss_and_grad_entropy(
+        let guards = [None, Some((0.05, 0.05))];
+        for (g, c, guard) in [Granularity::Token, Granularity::Sequence, Granularity::Turn]
+            .into_iter()
+            .flat_map(|g| {
+                [
+                    ClipMode::Fixed,
+                    ClipMode::Adaptive,
+                    ClipMode::AdvantageScaled,
+                ]
+                .into_iter()
+                .flat_map(move |c| guards.map(|guard| (g, c, guard)))
+            })
+        {
+            let mut cfg = TrainConfig::preset(Algo::A2tgpo);
+            cfg.objective = ObjectiveConfig {
+                granularity: g,
+                clip: c,
+                eps_low: 0.2,
+                eps_high: 0.28,
+                clip_beta: 0.3,
+                aggregation: Aggregation::SeqMeanTokenMean,
+                tis_cap: Some(2.0),
+                kl_coef: 0.1,
+                entropy_coef: 0.05,
+                mis: false,
+                token_guard: guard,
+            };
+            let w_ent = aggregation_weights(&batch, cfg.objective.aggregation);
+            let reference = |cfg: &TrainConfig| {
+                lora_loss_and_grad_entropy(
                     base.view(),
                     h.view(),
                     &tokens,
@@ -577,16 +597,29 @@ mod tests {
                         let (l, gr, _) = surrogate(&cfg.objective, &batch, lp);
                         (l, gr)
                     },
-                );
-                assert_backends_match(
-                    &format!("{g:?} {c:?}"),
-                    &cfg,
-                    false,
-                    &mb,
-                    (&a, &b, scale),
-                    (l_ref, &lp_ref, &da_ref, &db_ref),
-                );
+                )
+            };
+            let (l_ref, lp_ref, da_ref, db_ref) = reference(&cfg);
+            if guard.is_some() && g != Granularity::Token {
+                // the guard stops some tokens here and leaves others: the gradient changes
+                let mut open = cfg.clone();
+                open.objective.token_guard = None;
+                let st = surrogate(&cfg.objective, &batch, &lp_ref).2;
+                let st_open = surrogate(&open.objective, &batch, &lp_ref).2;
+                let stopped = st.clip_low_frac + st.clip_high_frac
+                    - st_open.clip_low_frac
+                    - st_open.clip_high_frac;
+                assert!(stopped > 0.0 && stopped < 0.5, "{g:?} {c:?}: {stopped}");
+                assert!(reference(&open).2 != da_ref, "{g:?} {c:?}");
             }
+            assert_backends_match(
+                &format!("{g:?} {c:?} guard {guard:?}"),
+                &cfg,
+                false,
+                &mb,
+                (&a, &b, scale),
+                (l_ref, &lp_ref, &da_ref, &db_ref),
+            );
         }
     }
 
