@@ -53,7 +53,8 @@ pub struct LearnArgs {
     pub eps_high: Option<f64>,
     /// Token guard inside turn / sequence ratios, `LOW,HIGH` (e.g. 0.2,0.28) or `off`: a token
     /// whose own ratio has left [1 − LOW, 1 + HIGH] on its advantage's side stops getting
-    /// gradient while its turn's ratio is still inside the turn clip [off]
+    /// gradient while its turn's ratio is still inside the turn clip [preset: a2tgpo 0.2,0.28;
+    /// others off]
     #[arg(long, value_parser = parse_guard)]
     pub token_guard: Option<Guard>,
     /// Loss aggregation [preset]

@@ -56,6 +56,10 @@ pub enum AdvantageMode {
 /// The turn clip `(ε_low, ε_high)` of the A²TGPO and ATPO presets.
 pub const TURN_EPS: (f64, f64) = (0.2, 0.28);
 
+/// The token guard of the A²TGPO preset: GRPO's token clip, applied to each token's own
+/// ratio inside the turn ratio (docs/algorithms.md §5).
+pub const A2TGPO_TOKEN_GUARD: (f64, f64) = (0.2, 0.28);
+
 /// The released A²TGPO script's α.
 pub const DEFAULT_ALPHA: f64 = 0.3;
 
@@ -365,7 +369,7 @@ impl TrainConfig {
                 kl_coef: 0.0,
                 entropy_coef: 0.0,
                 mis: false,
-                token_guard: None,
+                token_guard: (algo == Algo::A2tgpo).then_some(A2TGPO_TOKEN_GUARD),
             },
             dr_grpo: false,
             drop_uninformative: false,
@@ -405,8 +409,8 @@ impl TrainConfig {
     }
 
     /// Changes the preset of a configuration and keeps everything else: what `--algo`
-    /// decides (the ratio's granularity, the clip rule and widths, the aggregation, the
-    /// advantage estimator, γ) is taken from [`TrainConfig::preset`]; the schedule and the
+    /// decides (the ratio's granularity, the clip rule and widths, the token guard, the
+    /// aggregation, the advantage estimator, γ) is taken from [`TrainConfig::preset`]; the schedule and the
     /// run's other settings (lr, epochs, Dr.GRPO, α, seed, threads, …) stay as recorded. An
     /// offline replay uses it to run a logged batch under another preset.
     #[must_use]
@@ -418,6 +422,7 @@ impl TrainConfig {
         self.objective.eps_low = p.objective.eps_low;
         self.objective.eps_high = p.objective.eps_high;
         self.objective.aggregation = p.objective.aggregation;
+        self.objective.token_guard = p.objective.token_guard;
         self.advantage = p.advantage;
         self.gamma = p.gamma;
         self
@@ -474,10 +479,12 @@ mod tests {
             (7e-4, 3, true, 0.1, 42)
         );
         // and back: the recorded preset's own switches return
-        let back = g.with_preset(Algo::A2tgpo);
+        let back = g.clone().with_preset(Algo::A2tgpo);
         assert_eq!(back.objective.granularity, rec.objective.granularity);
         assert_eq!(back.objective.clip, rec.objective.clip);
         assert_eq!(back.advantage, rec.advantage);
+        assert_eq!(back.objective.token_guard, Some(A2TGPO_TOKEN_GUARD));
+        assert_eq!(g.objective.token_guard, None);
         assert_eq!(
             TrainConfig::preset(Algo::Gigpo)
                 .with_preset(Algo::Grpo)
