@@ -410,9 +410,9 @@ impl TrainConfig {
 
     /// Changes the preset of a configuration and keeps everything else: what `--algo`
     /// decides (the ratio's granularity, the clip rule and widths, the token guard, the
-    /// aggregation, the advantage estimator, γ) is taken from [`TrainConfig::preset`]; the schedule and the
-    /// run's other settings (lr, epochs, Dr.GRPO, α, seed, threads, …) stay as recorded. An
-    /// offline replay uses it to run a logged batch under another preset.
+    /// aggregation, the advantage estimator, γ) is taken from [`TrainConfig::preset`]; the
+    /// schedule and the run's other settings (lr, epochs, Dr.GRPO, α, seed, threads, …) stay
+    /// as recorded. An offline replay uses it to run a logged batch under another preset.
     #[must_use]
     pub fn with_preset(mut self, algo: Algo) -> Self {
         let p = TrainConfig::preset(algo);
