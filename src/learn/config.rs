@@ -56,9 +56,12 @@ pub enum AdvantageMode {
 /// The turn clip `(ε_low, ε_high)` of the A²TGPO and ATPO presets.
 pub const TURN_EPS: (f64, f64) = (0.2, 0.28);
 
+/// The token clip `(ε_low, ε_high)` of the GRPO, GiGPO and PPO-token presets.
+pub const TOKEN_EPS: (f64, f64) = (0.2, 0.28);
+
 /// The token guard of the A²TGPO preset: GRPO's token clip, applied to each token's own
 /// ratio inside the turn ratio (docs/algorithms.md §5).
-pub const A2TGPO_TOKEN_GUARD: (f64, f64) = (0.2, 0.28);
+pub const A2TGPO_TOKEN_GUARD: (f64, f64) = TOKEN_EPS;
 
 /// The released A²TGPO script's α.
 pub const DEFAULT_ALPHA: f64 = 0.3;
@@ -345,8 +348,8 @@ impl TrainConfig {
             Algo::Grpo | Algo::Gigpo | Algo::PpoToken | Algo::Sft => (
                 Granularity::Token,
                 ClipMode::Fixed,
-                0.2,
-                0.28,
+                TOKEN_EPS.0,
+                TOKEN_EPS.1,
                 Aggregation::TokenMean,
             ),
         };
