@@ -696,3 +696,97 @@ fn control_tokens_are_never_sampled_and_the_context_stays_token_exact() {
         e.close(key);
     }
 }
+
+/// Idle caches leave the context: once another session decodes, a finished session's cells
+/// are parked in host memory (every row's attention scans every cell of the unified cache,
+/// so an idle cache would cost time on every step), and its next turn restores them instead
+/// of decoding its history again. The restored turn decodes exactly the new tokens, as the
+/// same turn does with its cache resident, and its greedy reply follows the same distributions
+/// within the bounds the batch-parity test measures: the restored cells sit elsewhere in the
+/// cache, and llama.cpp's CPU attention accumulates values in f16 in the order of the cells
+/// (a session whose neighbour's cells are freed moves by as much without any parking).
+#[test]
+fn a_parked_session_resumes_from_its_restored_cache() {
+    let greedy = |seed| SamplerParams {
+        temperature: 0.0,
+        ..params(seed)
+    };
+    let first = || {
+        vec![
+            Message::new(
+                Role::System,
+                "You are a helpful customer-service assistant.",
+            ),
+            Message::new(
+                Role::User,
+                "Hi, my order 48213 has not arrived. Can you help?",
+            ),
+        ]
+    };
+    let follow = || {
+        vec![Message::new(
+            Role::User,
+            "It was due last Tuesday. What now?",
+        )]
+    };
+    // resident: the second turn follows at once, before any other decoding step
+    let e = fresh_engine();
+    let key = session_key();
+    e.generate(key, first(), greedy(3), None).unwrap();
+    let before = e.stats().counters();
+    let resident = e.generate(key, follow(), greedy(4), None).unwrap().reply;
+    assert_eq!(e.stats().counters().since(&before).restored, 0);
+    e.close(key);
+    drop(e);
+    // parked: another session decodes between the two turns
+    let e = fresh_engine();
+    let key = session_key();
+    e.generate(key, first(), greedy(3), None).unwrap();
+    let before = e.stats().counters();
+    let other = session_key();
+    let elsewhere = vec![
+        Message::new(
+            Role::System,
+            "You answer questions about parcels. Be brief.",
+        ),
+        Message::new(Role::User, "Where is parcel 55120?"),
+    ];
+    e.generate(other, elsewhere, greedy(9), None).unwrap();
+    let resumed = e.generate(key, follow(), greedy(4), None).unwrap().reply;
+    let counted = e.stats().counters().since(&before);
+    assert!(
+        counted.parked >= 1 && counted.restored >= 1,
+        "the idle session was parked and restored: {counted:?}"
+    );
+    assert_eq!(
+        resumed.prefill_tokens, resident.prefill_tokens,
+        "the restored turn decodes only what the resident one decodes"
+    );
+    assert_eq!(resumed.context_len, resident.context_len);
+    let shared = resumed
+        .tokens
+        .iter()
+        .zip(&resident.tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(
+        shared >= 4,
+        "the first greedy tokens agree: {:?} vs {:?}",
+        resumed.tokens,
+        resident.tokens
+    );
+    let gaps: Vec<f32> = (0..shared)
+        .map(|i| (resumed.logp_full[i] - resident.logp_full[i]).abs())
+        .collect();
+    let mean = gaps.iter().sum::<f32>() / shared as f32;
+    let max = gaps.iter().copied().fold(0f32, f32::max);
+    eprintln!(
+        "parked vs resident: {shared} shared tokens, |Δ log p| mean {mean:.2e} max {max:.2e}"
+    );
+    assert!(
+        mean < 8e-2 && max < 0.4,
+        "log-probs parked vs resident: mean {mean} max {max}"
+    );
+    e.close(key);
+    e.close(other);
+}

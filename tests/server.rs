@@ -1100,10 +1100,12 @@ fn concurrent_sessions_share_decoding_steps_and_are_all_logged() {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(-1.0)
     };
-    let (steps0, rows0) = (
+    let (steps0, rows0, parked0) = (
         metric("turnwise_decode_steps_total"),
         metric("turnwise_decode_rows_total"),
+        metric("turnwise_caches_parked_total"),
     );
+    assert!(parked0 >= 0.0, "/metrics counts parked caches");
     let together: Vec<Vec<String>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..4)
             .map(|i| {
@@ -1120,6 +1122,12 @@ fn concurrent_sessions_share_decoding_steps_and_are_all_logged() {
         "{rows} rows in {steps} steps: the sessions shared steps"
     );
     assert!(metric("turnwise_decode_batch_max") >= 3.0);
+    // the solo session stays open: its idle cache leaves the context at the first step the
+    // four take (docs/batching.md, idle caches are parked)
+    assert!(
+        metric("turnwise_caches_parked_total") - parked0 >= 1.0,
+        "the idle solo session's cache was parked"
+    );
     // with the default model's repacked kernels a batch of rows is multiplied by other
     // kernels than one row, so a greedy reply near a tie may differ from the one written alone
     // (docs/batching.md); it is reported, not asserted

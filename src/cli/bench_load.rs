@@ -333,13 +333,15 @@ fn measure(args: &BenchArgs, dir: &Path, verbose: bool) -> anyhow::Result<ExitCo
     }
     let steps = counted.steps.max(1);
     println!(
-        "turnwise engine: {} decoding steps ({:.1} s), {:.2} rows per step on average, at most {}; admissions decoded {} prompt tokens ({:.1} s)",
+        "turnwise engine: {} decoding steps ({:.1} s), {:.2} rows per step on average, at most {}; admissions decoded {} prompt tokens ({:.1} s); idle caches parked {} times, restored {}",
         steps,
         counted.step_us as f64 / 1e6,
         counted.rows as f64 / steps as f64,
         counted.max_rows,
         counted.prefill_tokens,
         counted.prefill_us as f64 / 1e6,
+        counted.parked,
+        counted.restored,
     );
     if theirs.is_some() {
         println!("goal: ≥ 0.90× llama-server's tokens/s and p95 ≤ 1.20× at 4 and 8 clients");

@@ -537,6 +537,54 @@ impl Context {
         }
     }
 
+    /// llama.cpp's serialised KV state of sequence `seq` (positions and keys/values of every
+    /// cell it holds), for [`Context::restore_seq`].
+    ///
+    /// # Errors
+    /// [`Error::Llama`] when llama.cpp writes fewer bytes than it asked for.
+    pub fn save_seq(&mut self, seq: usize) -> Result<Vec<u8>> {
+        // SAFETY: ctx is live; the buffer holds the size llama.cpp asked for.
+        unsafe {
+            let n = sys::llama_state_seq_get_size(self.ptr.as_ptr(), seq as i32);
+            let mut buf = vec![0u8; n];
+            let wrote =
+                sys::llama_state_seq_get_data(self.ptr.as_ptr(), buf.as_mut_ptr(), n, seq as i32);
+            if wrote != n {
+                return Err(Error::Llama(format!(
+                    "saving sequence {seq}: {wrote} of {n} bytes written"
+                )));
+            }
+            Ok(buf)
+        }
+    }
+
+    /// Replaces sequence `seq`'s cache with a state from [`Context::save_seq`] (taken from this
+    /// context): the same positions with the same keys and values, in whichever free cells
+    /// there are.
+    ///
+    /// # Errors
+    /// [`Error::Llama`] when llama.cpp cannot place it (too few free cells); the sequence is
+    /// then empty.
+    pub fn restore_seq(&mut self, seq: usize, state: &[u8]) -> Result<()> {
+        // SAFETY: ctx is live; llama.cpp reads at most state.len() bytes.
+        let read = unsafe {
+            sys::llama_state_seq_set_data(
+                self.ptr.as_ptr(),
+                state.as_ptr(),
+                state.len(),
+                seq as i32,
+            )
+        };
+        if read == 0 {
+            self.truncate_seq(seq, 0);
+            return Err(Error::Llama(format!(
+                "restoring sequence {seq} ({} bytes) failed",
+                state.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Decodes `tokens` of sequence 0 at positions `start..`, requesting outputs on the rows
     /// where `outputs[i]` is true ([`Context::decode_rows`]).
     ///

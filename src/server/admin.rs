@@ -199,6 +199,19 @@ pub(super) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         "largest batch of one decoding step",
         max_rows as f64,
     );
+    let c = st.engine.stats().counters();
+    line(
+        "turnwise_caches_parked_total",
+        "counter",
+        "idle sessions' KV caches moved out of the context into host memory",
+        c.parked as f64,
+    );
+    line(
+        "turnwise_caches_restored_total",
+        "counter",
+        "parked caches restored when their session (or a shared prefix) came back",
+        c.restored as f64,
+    );
     line(
         "turnwise_sessions",
         "gauge",

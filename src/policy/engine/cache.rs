@@ -37,6 +37,7 @@ impl Worker {
         for s in 0..self.slots.len() {
             self.truncate_cache(s, 0);
         }
+        self.parked.clear();
         self.lora = loaded;
         Ok(())
     }
@@ -95,8 +96,7 @@ impl Worker {
         slot: usize,
         tokens: &[Token],
     ) -> Result<(Vec<f32>, Vec<f32>, usize)> {
-        let own = common_prefix(&self.slots[slot].cached, tokens);
-        let mut keep = self.share_prefix(slot, tokens, own, tokens.len());
+        let mut keep = self.reuse_prefix(slot, tokens, tokens.len());
         if keep == tokens.len() {
             keep = keep.saturating_sub(1); // we need the last row's logits again
         }
@@ -119,6 +119,124 @@ impl Worker {
             pos = end;
         }
         Ok((last.0, last.1, tokens.len() - keep))
+    }
+
+    /// The longest prefix of `tokens` (up to `cap`) that sequence `slot` can hold without
+    /// decoding: its own cache's, another sequence's (shared) or a parked cache's (restored).
+    pub(super) fn reuse_prefix(&mut self, slot: usize, tokens: &[Token], cap: usize) -> usize {
+        let own = common_prefix(&self.slots[slot].cached, tokens).min(cap);
+        let keep = self.share_prefix(slot, tokens, own, cap);
+        match self.unpark(slot, tokens, keep, cap) {
+            Some(n) => n,
+            // a failed restore emptied the sequence: share what another one holds
+            None => self.share_prefix(slot, tokens, 0, cap),
+        }
+    }
+
+    /// Parks every idle sequence's cache that holds cells of its own (beyond the prefix a
+    /// busy sequence shares with it), least recently used first.
+    pub(super) fn park_idle(&mut self) {
+        let busy: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| self.slots[i].busy)
+            .collect();
+        let mut idle: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| {
+                let c = &self.slots[i].cached;
+                !self.slots[i].busy
+                    && !c.is_empty()
+                    && busy
+                        .iter()
+                        .all(|&j| common_prefix(c, &self.slots[j].cached) < c.len())
+            })
+            .collect();
+        idle.sort_by_key(|&i| (self.slots[i].used, i));
+        for i in idle {
+            self.park(i);
+        }
+    }
+
+    /// Moves sequence `slot`'s cache into host memory and empties the sequence; parked
+    /// caches beyond the context's own number of cells go, oldest first. A cache that cannot
+    /// be saved is dropped (its session's prompt is decoded again).
+    pub(super) fn park(&mut self, slot: usize) {
+        let state = self.ctx.save_seq(slot);
+        let s = &mut self.slots[slot];
+        let cached = std::mem::take(&mut s.cached);
+        let block = std::mem::take(&mut s.block);
+        let session = s.session.take();
+        let used = s.used;
+        self.ctx.truncate_seq(slot, 0);
+        match state {
+            Ok(state) => {
+                self.parked.push(Parked {
+                    cached,
+                    block,
+                    session,
+                    used,
+                    state,
+                });
+                self.stats
+                    .parked
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            Err(e) => tracing::debug!(slot, error = %e, "idle cache dropped"),
+        }
+        let budget = self.ctx.kv_cells();
+        while self.parked.iter().map(|p| p.cached.len()).sum::<usize>() > budget {
+            let oldest = (0..self.parked.len()).min_by_key(|&i| (self.parked[i].used, i));
+            match oldest {
+                Some(i) => {
+                    self.parked.remove(i);
+                }
+                None => break,
+            }
+        }
+    }
+
+    /// When a parked cache holds a longer prefix of `tokens` (up to `cap`) than the `keep`
+    /// positions sequence `slot` holds, restores it into `slot` (it stays parked unless
+    /// `tokens` extend all of it) and returns the prefix `slot` now holds; `None` when the
+    /// restore failed and left `slot` empty.
+    pub(super) fn unpark(
+        &mut self,
+        slot: usize,
+        tokens: &[Token],
+        keep: usize,
+        cap: usize,
+    ) -> Option<usize> {
+        let best = self
+            .parked
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (common_prefix(&p.cached, tokens).min(cap), i))
+            .max_by_key(|&(n, i)| (n, std::cmp::Reverse(i)));
+        let Some((n, i)) = best.filter(|&(n, _)| n > keep) else {
+            return Some(keep);
+        };
+        let whole = n == self.parked[i].cached.len();
+        let restored = self.ctx.restore_seq(slot, &self.parked[i].state);
+        let s = &mut self.slots[slot];
+        match restored {
+            Ok(()) => {
+                let p = &self.parked[i];
+                s.cached = p.cached.clone();
+                s.block = p.block.clone();
+                if whole {
+                    self.parked.remove(i);
+                }
+                self.stats
+                    .restored
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Some(n)
+            }
+            Err(e) => {
+                tracing::debug!(slot, error = %e, "parked cache not restored");
+                s.cached.clear();
+                s.block.clear();
+                self.parked.remove(i);
+                None
+            }
+        }
     }
 
     /// When another sequence holds a longer prefix of `tokens` (up to `cap`) than the `own`

@@ -119,6 +119,9 @@ impl Worker {
 
     /// One decoding step: the next token of every generation in flight, in one batch.
     pub(super) fn step(&mut self) {
+        if self.park_enabled {
+            self.park_idle();
+        }
         let rows: Vec<llama::Row> = self
             .active
             .iter()

@@ -7,7 +7,9 @@
 //! another sequence) already holds and decoding the rest; then every decoding step advances
 //! all generations in flight by one token in a single batch, and new requests join between
 //! steps (continuous batching). Sampling, the output adapter's term, the behaviour log-probs
-//! and the feature capture stay per row.
+//! and the feature capture stay per row. With [`EngineConfig::park_idle`], an idle sequence's
+//! cache is moved out of the context (into host memory) at the next decoding step and restored
+//! when its session returns, so that rows do not scan idle sessions' cells.
 //!
 //! - this file: the public types (config, replies, counters), the commands the handle sends and
 //!   the engine thread's state;
@@ -63,6 +65,10 @@ pub struct EngineConfig {
     /// sessions generated at once: each has its own KV sequence of `n_ctx` tokens, and every
     /// decoding step advances all of them in one batch (continuous batching)
     pub n_seq: u32,
+    /// move idle sessions' caches out of the context into host memory between their turns
+    /// (restored when the session returns) instead of keeping them in the unified cache, where
+    /// every held cell costs attention time in every row decoded
+    pub park_idle: bool,
     /// show llama.cpp's own log
     pub verbose: bool,
 }
@@ -83,6 +89,7 @@ impl EngineConfig {
             capture_hidden: true,
             block_k: None,
             n_seq: DEFAULT_N_SEQ,
+            park_idle: true,
             verbose: false,
         }
     }
@@ -288,6 +295,10 @@ pub struct EngineStats {
     pub prefill_tokens: std::sync::atomic::AtomicU64,
     /// microseconds spent admitting requests (prefill, reference scoring, first sample)
     pub prefill_us: std::sync::atomic::AtomicU64,
+    /// idle sequences' caches moved out of the context into host memory
+    pub parked: std::sync::atomic::AtomicU64,
+    /// parked caches put back into a sequence (a prefix not decoded again)
+    pub restored: std::sync::atomic::AtomicU64,
 }
 
 /// [`EngineStats`]' counters at one moment, as plain numbers.
@@ -305,6 +316,10 @@ pub struct EngineCounters {
     pub prefill_tokens: u64,
     /// microseconds admitting requests
     pub prefill_us: u64,
+    /// idle caches parked in host memory
+    pub parked: u64,
+    /// parked caches restored
+    pub restored: u64,
 }
 
 impl EngineCounters {
@@ -317,6 +332,8 @@ impl EngineCounters {
             step_us: self.step_us.saturating_sub(before.step_us),
             prefill_tokens: self.prefill_tokens.saturating_sub(before.prefill_tokens),
             prefill_us: self.prefill_us.saturating_sub(before.prefill_us),
+            parked: self.parked.saturating_sub(before.parked),
+            restored: self.restored.saturating_sub(before.restored),
         }
     }
 
@@ -329,6 +346,8 @@ impl EngineCounters {
             step_us: self.step_us + other.step_us,
             prefill_tokens: self.prefill_tokens + other.prefill_tokens,
             prefill_us: self.prefill_us + other.prefill_us,
+            parked: self.parked + other.parked,
+            restored: self.restored + other.restored,
         }
     }
 }
@@ -344,6 +363,8 @@ impl EngineStats {
             step_us: self.step_us.load(Relaxed),
             prefill_tokens: self.prefill_tokens.load(Relaxed),
             prefill_us: self.prefill_us.load(Relaxed),
+            parked: self.parked.load(Relaxed),
+            restored: self.restored.load(Relaxed),
         }
     }
 
@@ -369,6 +390,21 @@ struct Slot {
     reserved: usize,
     /// when it was last taken (the least recently used free slot is taken first)
     used: u64,
+}
+
+/// An idle sequence's cache moved out of the context ([`Worker::park_idle`]): llama.cpp's
+/// serialised cells and what they hold.
+struct Parked {
+    /// the tokens whose positions the state holds
+    cached: Vec<Token>,
+    /// their captured block inputs (block capture on)
+    block: Vec<f32>,
+    /// the session that last generated in it
+    session: Option<u64>,
+    /// when its sequence was last taken
+    used: u64,
+    /// [`Context::save_seq`]'s bytes
+    state: Vec<u8>,
 }
 
 /// A generation in flight: the state of one reply between decoding steps.
@@ -446,6 +482,10 @@ struct Worker {
     digit_pieces: Vec<(usize, String)>,
     /// the context's KV sequences
     slots: Vec<Slot>,
+    /// idle caches moved out of the context, oldest first
+    parked: Vec<Parked>,
+    /// [`EngineConfig::park_idle`]
+    park_enabled: bool,
     /// counts slot uses (for least-recently-used)
     clock: u64,
     /// generations in flight, in the order they joined

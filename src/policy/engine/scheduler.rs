@@ -103,6 +103,8 @@ impl Worker {
             n_ctx: ctx.n_ctx(),
             parallel: cfg.n_seq as usize,
             slots: (0..ctx.n_seq()).map(|_| Slot::default()).collect(),
+            parked: Vec::new(),
+            park_enabled: cfg.park_idle,
             clock: 0,
             active: Vec::new(),
             queue: VecDeque::new(),
@@ -224,6 +226,7 @@ impl Worker {
                 .min_by_key(|&(i, s)| (s.used, i))
                 .map(|(i, _)| i);
             match victim {
+                Some(v) if self.park_enabled => self.park(v),
                 Some(v) => self.truncate_cache(v, 0),
                 None => return,
             }
@@ -281,6 +284,7 @@ impl Worker {
                     s.cached.clear();
                     s.block.clear();
                 }
+                self.parked.clear();
                 let slot = self.take_slot(None, &[]);
                 let _ = reply.send(self.rescore(slot, &tokens, &positions, false, None));
             }
@@ -291,6 +295,7 @@ impl Worker {
                     s.block.clear();
                     s.used = 0;
                 }
+                self.parked.clear();
                 self.clock = 0;
                 let _ = reply.send(Ok(()));
             }
@@ -308,6 +313,7 @@ impl Worker {
             Command::Close { session } => {
                 self.sessions.remove(&session);
                 self.block_given.remove(&session);
+                self.parked.retain(|p| p.session != Some(session));
                 // its cache goes now, all but the prefix another sequence shares (a system
                 // prompt, a common opening): in a unified cache every held cell costs attention
                 // time in every row decoded after it, whichever sequence it belongs to

@@ -67,8 +67,7 @@ impl Worker {
         }
         let first_row = want.iter().position(|&w| w).unwrap_or(0);
         let keep = if reuse_prefix {
-            let own = common_prefix(&self.slots[slot].cached, tokens).min(first_row);
-            self.share_prefix(slot, tokens, own, first_row)
+            self.reuse_prefix(slot, tokens, first_row)
         } else {
             0
         };
