@@ -134,7 +134,8 @@ impl Worker {
     }
 
     /// Parks every idle sequence's cache that holds cells of its own (beyond the prefix a
-    /// busy sequence shares with it), least recently used first.
+    /// busy sequence shares with it), least recently used first. Runs when a generation is
+    /// admitted: the rows decoded from then on scan only the cells of replies in flight.
     pub(super) fn park_idle(&mut self) {
         let busy: Vec<usize> = (0..self.slots.len())
             .filter(|&i| self.slots[i].busy)

@@ -26,6 +26,11 @@ impl Worker {
                 return Err(Error::Invalid("max_tokens must be at least 1".into()));
             }
             let (prompt, conv) = self.append(session, messages, true, params.max_tokens)?;
+            if self.park_enabled {
+                // the session's own cache too: alone on the engine, a session then lays its
+                // cells out as on a fresh one (restored from the start of the cache, in order)
+                self.park_idle();
+            }
             let slot = self.take_slot(Some(session), &conv.tokens);
             // room for the prompt, a reference scored after it, and the whole reply
             let need = conv.tokens.len() + params.max_tokens + REFERENCE_ROOM;
@@ -119,9 +124,6 @@ impl Worker {
 
     /// One decoding step: the next token of every generation in flight, in one batch.
     pub(super) fn step(&mut self) {
-        if self.park_enabled {
-            self.park_idle();
-        }
         let rows: Vec<llama::Row> = self
             .active
             .iter()
