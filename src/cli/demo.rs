@@ -316,8 +316,9 @@ pub fn run(args: DemoArgs, verbose: bool) -> anyhow::Result<ExitCode> {
     let mut ecfg = args.model.engine_config(verbose)?;
     ecfg.n_threads = i32::try_from(threads / n_engines).unwrap_or(1);
     // the demo's sessions give up their cells when they end (its lanes close them), and its
-    // one-thread engines ran no faster with idle caches parked (RL iteration 77 s against
-    // 75 s on seed 1); kept resident, every recorded run repeats as it was
+    // one-thread engines ran no faster with idle caches parked (parked at every step: RL
+    // iteration 77 s against 75 s on seed 1); kept resident, every recorded run repeats as
+    // it was
     ecfg.park_idle = false;
     if let Some(b) = &cfg.rl.block {
         ecfg.block_k = Some(b.k);
