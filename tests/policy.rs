@@ -706,18 +706,6 @@ fn control_tokens_are_never_sampled_and_the_context_stays_token_exact() {
 /// another session's (llama.cpp's CPU attention sums follow the order of the cells).
 #[test]
 fn a_parked_session_resumes_from_its_restored_cache() {
-    let first = || {
-        vec![
-            Message::new(
-                Role::System,
-                "You are a helpful customer-service assistant.",
-            ),
-            Message::new(
-                Role::User,
-                "Hi, my order 48213 has not arrived. Can you help?",
-            ),
-        ]
-    };
     let follow = || {
         vec![Message::new(
             Role::User,
@@ -727,7 +715,7 @@ fn a_parked_session_resumes_from_its_restored_cache() {
     let play = |other_between: bool| {
         let e = fresh_engine();
         let key = session_key();
-        e.generate(key, first(), params(3), None).unwrap();
+        e.generate(key, opening(), params(3), None).unwrap();
         let before = e.stats().counters();
         if other_between {
             let elsewhere = vec![
