@@ -157,7 +157,8 @@ impl Worker {
     }
 
     /// Moves sequence `slot`'s cache into host memory and empties the sequence; parked
-    /// caches beyond the context's own number of cells go, oldest first. A cache that cannot
+    /// caches beyond the context's own number of cells or [`PARKED_BYTES_MAX`] go, oldest
+    /// first. A cache that cannot
     /// be saved is dropped (its session's prompt is decoded again).
     pub(super) fn park(&mut self, slot: usize) {
         let state = self.ctx.save_seq(slot);
@@ -183,7 +184,11 @@ impl Worker {
             Err(e) => tracing::debug!(slot, error = %e, "idle cache dropped"),
         }
         let budget = self.ctx.kv_cells();
-        while self.parked.iter().map(|p| p.cached.len()).sum::<usize>() > budget {
+        let over = |parked: &[Parked]| {
+            parked.iter().map(|p| p.cached.len()).sum::<usize>() > budget
+                || parked.iter().map(|p| p.state.len()).sum::<usize>() > PARKED_BYTES_MAX
+        };
+        while over(&self.parked) {
             let oldest = (0..self.parked.len()).min_by_key(|&i| (self.parked[i].used, i));
             match oldest {
                 Some(i) => {

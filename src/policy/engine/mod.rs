@@ -508,6 +508,10 @@ struct Worker {
 /// Sequences per reply in flight: the extra ones hold idle sessions' KV caches.
 const CACHE_SEQ_FACTOR: u32 = 8;
 
+/// Host memory parked caches may take in all (the default model's cells take about 23 KB each,
+/// so its 8 192-cell context parks at most ~190 MB; a larger model's cells are bigger).
+const PARKED_BYTES_MAX: usize = 1 << 30;
+
 /// Cells set aside for a reference scored after a prompt.
 const REFERENCE_ROOM: usize = 256;
 
