@@ -1122,8 +1122,8 @@ fn concurrent_sessions_share_decoding_steps_and_are_all_logged() {
         "{rows} rows in {steps} steps: the sessions shared steps"
     );
     assert!(metric("turnwise_decode_batch_max") >= 3.0);
-    // the solo session stays open: its idle cache leaves the context at the first step the
-    // four take (docs/batching.md, idle caches are parked)
+    // the solo session stays open: its idle cache leaves the context when the four are
+    // admitted (docs/batching.md, idle caches are parked)
     assert!(
         metric("turnwise_caches_parked_total") - parked0 >= 1.0,
         "the idle solo session's cache was parked"

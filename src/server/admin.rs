@@ -180,7 +180,8 @@ pub(super) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         "generations admitted and not finished",
         in_use as f64,
     );
-    let (steps, rows, max_rows) = st.engine.stats().snapshot();
+    let c = st.engine.stats().counters();
+    let (steps, rows, max_rows) = (c.steps, c.rows, c.max_rows);
     line(
         "turnwise_decode_steps_total",
         "counter",
@@ -199,7 +200,6 @@ pub(super) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         "largest batch of one decoding step",
         max_rows as f64,
     );
-    let c = st.engine.stats().counters();
     line(
         "turnwise_caches_parked_total",
         "counter",

@@ -158,8 +158,7 @@ impl Worker {
 
     /// Moves sequence `slot`'s cache into host memory and empties the sequence; parked
     /// caches beyond the context's own number of cells or [`PARKED_BYTES_MAX`] go, oldest
-    /// first. A cache that cannot
-    /// be saved is dropped (its session's prompt is decoded again).
+    /// first. A cache that cannot be saved is dropped (its session's prompt is decoded again).
     pub(super) fn park(&mut self, slot: usize) {
         let state = self.ctx.save_seq(slot);
         let s = &mut self.slots[slot];
@@ -184,18 +183,15 @@ impl Worker {
             Err(e) => tracing::debug!(slot, error = %e, "idle cache dropped"),
         }
         let budget = self.ctx.kv_cells();
-        let over = |parked: &[Parked]| {
-            parked.iter().map(|p| p.cached.len()).sum::<usize>() > budget
-                || parked.iter().map(|p| p.state.len()).sum::<usize>() > PARKED_BYTES_MAX
-        };
-        while over(&self.parked) {
-            let oldest = (0..self.parked.len()).min_by_key(|&i| (self.parked[i].used, i));
-            match oldest {
-                Some(i) => {
-                    self.parked.remove(i);
-                }
-                None => break,
-            }
+        let mut cells: usize = self.parked.iter().map(|p| p.cached.len()).sum();
+        let mut bytes: usize = self.parked.iter().map(|p| p.state.len()).sum();
+        while cells > budget || bytes > PARKED_BYTES_MAX {
+            let Some(i) = (0..self.parked.len()).min_by_key(|&i| (self.parked[i].used, i)) else {
+                break;
+            };
+            let p = self.parked.remove(i);
+            cells -= p.cached.len();
+            bytes -= p.state.len();
         }
     }
 
@@ -224,12 +220,15 @@ impl Worker {
         let s = &mut self.slots[slot];
         match restored {
             Ok(()) => {
-                let p = &self.parked[i];
-                s.cached = p.cached.clone();
-                s.block = p.block.clone();
-                if whole {
-                    self.parked.remove(i);
-                }
+                // taken whole it leaves the parked list (moved, not copied); a shared prefix
+                // stays parked for the others
+                (s.cached, s.block) = if whole {
+                    let p = self.parked.remove(i);
+                    (p.cached, p.block)
+                } else {
+                    let p = &self.parked[i];
+                    (p.cached.clone(), p.block.clone())
+                };
                 self.stats
                     .restored
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

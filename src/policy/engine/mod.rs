@@ -7,9 +7,9 @@
 //! another sequence) already holds and decoding the rest; then every decoding step advances
 //! all generations in flight by one token in a single batch, and new requests join between
 //! steps (continuous batching). Sampling, the output adapter's term, the behaviour log-probs
-//! and the feature capture stay per row. With [`EngineConfig::park_idle`], an idle sequence's
-//! cache is moved out of the context (into host memory) at the next decoding step and restored
-//! when its session returns, so that rows do not scan idle sessions' cells.
+//! and the feature capture stay per row. With [`EngineConfig::park_idle`], idle sequences'
+//! caches are moved out of the context (into host memory) when a generation is admitted and
+//! restored when their session returns, so that rows do not scan idle sessions' cells.
 //!
 //! - this file: the public types (config, replies, counters), the commands the handle sends and
 //!   the engine thread's state;
