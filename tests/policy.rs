@@ -594,6 +594,80 @@ fn lanes_that_close_and_ask_again_at_once_are_answered() {
         .expect("every lane's requests were answered");
 }
 
+/// Lanes that take work by ticket ([`turnwise::policy::Lane::ticket`]): every number is drawn once,
+/// a lane that drew a long job draws fewer of the rest, and which lane draws which number (and
+/// so every token played) repeats exactly however the lanes' threads are delayed.
+#[test]
+fn lanes_draw_tickets_in_an_order_that_does_not_depend_on_thread_timing() {
+    const JOBS: u64 = 9;
+    // job 0 is four times as long as the others; every job is played to its token budget
+    let budget = |t: u64| if t == 0 { 24 } else { 6 };
+    let run = |jitter: u64| {
+        let e = engine();
+        let lanes = e.lanes(3);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = lanes
+                .into_iter()
+                .enumerate()
+                .map(|(l, lane)| {
+                    s.spawn(move || {
+                        let mut drawn = Vec::new();
+                        let mut delay = sampler::Rng::new(jitter * 31 + l as u64);
+                        loop {
+                            // lanes reach the engine at different, random moments
+                            std::thread::sleep(std::time::Duration::from_millis(
+                                delay.next_u64() % 15,
+                            ));
+                            let t = lane.ticket().unwrap();
+                            if t >= JOBS {
+                                break;
+                            }
+                            std::thread::sleep(std::time::Duration::from_millis(
+                                delay.next_u64() % 15,
+                            ));
+                            let key = session_key();
+                            let p = SamplerParams {
+                                max_tokens: budget(t),
+                                ignore_eog: true,
+                                ..params(t)
+                            };
+                            let g = lane.generate(key, opening(), p, None).unwrap();
+                            lane.close(key);
+                            drawn.push((t, g.reply.tokens, g.reply.logp_behavior));
+                        }
+                        drawn
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        })
+    };
+    let first = run(1);
+    let mut all: Vec<u64> = first.iter().flatten().map(|d| d.0).collect();
+    all.sort_unstable();
+    assert_eq!(all, (0..JOBS).collect::<Vec<_>>(), "each ticket drawn once");
+    let long = first
+        .iter()
+        .position(|l| l.iter().any(|d| d.0 == 0))
+        .unwrap();
+    let short = first.iter().map(Vec::len).filter(|&n| n > 0).max().unwrap();
+    assert!(
+        first[long].len() < short,
+        "the lane with the long job drew fewer tickets: {:?}",
+        first
+            .iter()
+            .map(|l| l.iter().map(|d| d.0).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        first,
+        run(2),
+        "the same draws and tokens under other delays"
+    );
+}
+
 /// Canonical play ([`turnwise::Engine::reset`], then one session alone): a session's tokens and
 /// log-probs are bit-identical whatever the engine did before — on a fresh engine, and on one
 /// whose cache holds other sessions' cells after batched, reference-scored play. Without the

@@ -211,12 +211,16 @@ pub fn play(
 /// Runs `work` on every job and returns the results in the order of `jobs`, calling `tick`
 /// after each. Every engine opens as many lanes as it generates sessions at once
 /// ([`Engine::lanes`]), each on its own thread with its own `init()` state (a store
-/// connection); with `n` lanes in all, lane `w` takes jobs `w, w + n, …` in that order, and
-/// lane `w` belongs to engine `w mod engines`. The assignment is fixed, not first-free, and
-/// the engines schedule lanes by what they ask, not by timing: llama.cpp's numbers depend on
-/// which sessions share a batch and on what the KV cache holds, so this keeps a seeded run
-/// reproducible. With `one_lane`, every engine plays one session at a time (canonical play,
-/// [`PlaySettings::canonical`]). The first error stops the other lanes and is returned.
+/// connection). With `E` engines, engine `e` plays jobs `e, e + E, …`, and its lanes take them
+/// in that order as each gets free, by [`Lane::ticket`]: the engine hands the tickets out in
+/// lane order among the lanes that ask before the same decoding step, so which lane plays which
+/// job, which sessions share a batch and which KV cells each gets follow from the jobs, not
+/// from thread timing (llama.cpp's numbers depend on all three; a seeded run repeats exactly),
+/// and no lane idles at the end while a sibling still works through a longer share. With
+/// `one_lane`, every engine plays one session at a time (canonical play,
+/// [`PlaySettings::canonical`]), whose results do not depend on the engine that plays it: the
+/// engines then take jobs from one shared queue. The first error stops the other lanes and is
+/// returned.
 pub(super) fn on_engines<J: Send, R: Send, S>(
     engines: &[Engine],
     jobs: Vec<J>,
@@ -225,45 +229,52 @@ pub(super) fn on_engines<J: Send, R: Send, S>(
     work: impl Fn(&Engine, &mut S, J) -> Result<R> + Sync,
     tick: &mut dyn FnMut(),
 ) -> Result<Vec<R>> {
+    let n_engines = engines.len().max(1);
     let per_engine = engines
         .iter()
         .map(|e| if one_lane { 1 } else { e.info().n_seq.max(1) })
         .min()
         .unwrap_or(1);
     // no more lanes than jobs: an idle lane would only hold the others up
-    let per_engine = per_engine.min(jobs.len().div_ceil(engines.len().max(1)).max(1));
-    let mut lanes: Vec<_> = engines
-        .iter()
-        .map(|e| e.lanes(per_engine).into_iter())
-        .collect();
-    // lane w = engine w mod E, its (w div E)-th lane
-    let mut ordered = Vec::with_capacity(engines.len() * per_engine);
-    for _ in 0..per_engine {
-        ordered.extend(lanes.iter_mut().filter_map(Iterator::next));
-    }
-    let workers = ordered.len().max(1);
-    let mut shares: Vec<Vec<(usize, J)>> = (0..workers).map(|_| Vec::new()).collect();
-    for (i, job) in jobs.into_iter().enumerate() {
-        shares[i % workers].push((i, job));
-    }
-    let mut out: Vec<Option<R>> = shares.iter().flatten().map(|_| None).collect();
+    let per_engine = per_engine.min(jobs.len().div_ceil(n_engines).max(1));
+    let n_jobs = jobs.len();
+    // each engine's queue (one shared queue for canonical play), in job order
+    let queues: Vec<Vec<Mutex<Option<(usize, J)>>>> = if one_lane {
+        vec![jobs
+            .into_iter()
+            .enumerate()
+            .map(|j| Mutex::new(Some(j)))
+            .collect()]
+    } else {
+        let mut q: Vec<Vec<_>> = (0..n_engines).map(|_| Vec::new()).collect();
+        for (i, job) in jobs.into_iter().enumerate() {
+            q[i % n_engines].push(Mutex::new(Some((i, job))));
+        }
+        q
+    };
+    let shared_next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
-    let (init, work) = (&init, &work);
+    let (init, work, queues, shared_next) = (&init, &work, &queues, &shared_next);
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let results = std::thread::scope(|sc| {
-        let handles: Vec<_> = ordered
-            .into_iter()
-            .zip(shares)
-            .map(|(lane, share)| {
+        let mut handles = Vec::with_capacity(n_engines * per_engine);
+        for (e, engine) in engines.iter().enumerate() {
+            for lane in engine.lanes(per_engine) {
                 let (tx, stop) = (tx.clone(), &stop);
-                sc.spawn(move || -> Result<Vec<(usize, R)>> {
+                let queue = &queues[if one_lane { 0 } else { e }];
+                handles.push(sc.spawn(move || -> Result<Vec<(usize, R)>> {
                     let run = || {
                         let mut state = init()?;
-                        let mut done = Vec::with_capacity(share.len());
-                        for (i, job) in share {
-                            if stop.load(Ordering::SeqCst) {
-                                break;
-                            }
+                        let mut done = Vec::new();
+                        while !stop.load(Ordering::SeqCst) {
+                            let t = if one_lane {
+                                shared_next.fetch_add(1, Ordering::SeqCst)
+                            } else {
+                                usize::try_from(lane.ticket()?).unwrap_or(usize::MAX)
+                            };
+                            let Some(slot) = queue.get(t) else { break };
+                            let taken = slot.lock().ok().and_then(|mut j| j.take());
+                            let Some((i, job)) = taken else { break };
                             done.push((i, work(&lane, &mut state, job)?));
                             let _ = tx.send(());
                         }
@@ -276,9 +287,9 @@ pub(super) fn on_engines<J: Send, R: Send, S>(
                         stop.store(true, Ordering::SeqCst);
                     }
                     r
-                })
-            })
-            .collect();
+                }));
+            }
+        }
         drop(tx);
         for () in rx {
             tick();
@@ -291,6 +302,7 @@ pub(super) fn on_engines<J: Send, R: Send, S>(
             })
             .collect::<Vec<_>>()
     });
+    let mut out: Vec<Option<R>> = (0..n_jobs).map(|_| None).collect();
     for r in results {
         for (i, v) in r? {
             out[i] = Some(v);

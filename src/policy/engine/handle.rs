@@ -21,12 +21,30 @@ pub struct Engine {
 /// lanes ([`Engine::lanes`]); dropping it tells the engine that the lane is finished.
 pub struct Lane {
     engine: Engine,
+    /// the first lane id of the group it was opened with (its ticket counter)
+    group: u32,
 }
 
 impl std::ops::Deref for Lane {
     type Target = Engine;
     fn deref(&self) -> &Engine {
         &self.engine
+    }
+}
+
+impl Lane {
+    /// The next number (0, 1, 2, …) of a counter shared by the lanes opened together: a queue
+    /// of work its lanes take from as each gets free. Like every lane request it is answered in
+    /// lane order among the lanes that ask before the same decoding step, so which lane draws
+    /// which number is a function of what the lanes asked, not of thread timing: a seeded run
+    /// that hands out jobs by ticket repeats exactly, and no lane sits idle while another still
+    /// has a queue of its own.
+    ///
+    /// # Errors
+    /// [`Error::EngineGone`].
+    pub fn ticket(&self) -> Result<u64> {
+        let group = self.group;
+        Engine::wait(self.engine.call(|reply| Command::Ticket { group, reply }))
     }
 }
 
@@ -116,6 +134,7 @@ impl Engine {
                     lane: Some(id),
                     ..self.clone()
                 },
+                group: first,
             })
             .collect()
     }

@@ -278,6 +278,11 @@ enum Command {
     LaneDone {
         lane: u32,
     },
+    /// the next number of a lane group's counter ([`Lane::ticket`])
+    Ticket {
+        group: u32,
+        reply: Reply1<u64>,
+    },
 }
 
 /// Counters of the engine's decoding steps (since it started).
@@ -494,6 +499,8 @@ struct Worker {
     queue: VecDeque<Envelope>,
     /// open lanes ([`Engine::lanes`])
     lanes: BTreeSet<u32>,
+    /// per group of lanes (its first lane id): how many lanes it has and the next ticket
+    tickets: HashMap<u32, (u32, u64)>,
     /// N of the captured `l_out-N` (block capture on)
     block_layer: Option<usize>,
     /// per session: positions whose block inputs an earlier reply already returned

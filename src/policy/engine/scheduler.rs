@@ -109,6 +109,7 @@ impl Worker {
             active: Vec::new(),
             queue: VecDeque::new(),
             lanes: BTreeSet::new(),
+            tickets: HashMap::new(),
             ctx,
             model,
             info,
@@ -157,7 +158,9 @@ impl Worker {
                     self.execute(e);
                 }
             }
-            if !self.active.is_empty() {
+            // a lane just answered (a ticket, a tokenisation, …) sends its next request before
+            // the step, so that it joins it instead of the next one
+            if !self.active.is_empty() && !self.lane_working() {
                 self.step();
             }
         }
@@ -165,9 +168,17 @@ impl Worker {
 
     pub(super) fn receive(&mut self, e: Envelope) {
         match e.cmd {
-            Command::Lanes { ids } => self.lanes.extend(ids),
+            Command::Lanes { ids } => {
+                if let Some(&first) = ids.first() {
+                    self.tickets.insert(first, (ids.len() as u32, 0));
+                }
+                self.lanes.extend(ids);
+            }
             Command::LaneDone { lane } => {
                 self.lanes.remove(&lane);
+                let lanes = &self.lanes;
+                self.tickets
+                    .retain(|&first, &mut (n, _)| lanes.range(first..first + n).next().is_some());
             }
             cmd => self.queue.push_back(Envelope { lane: e.lane, cmd }),
         }
@@ -249,7 +260,10 @@ impl Worker {
             | Command::Reset { .. }
             | Command::SetAdapter { .. }
             | Command::SetShadow { .. } => self.active.is_empty(),
-            Command::Tokenize { .. } | Command::Lanes { .. } | Command::LaneDone { .. } => true,
+            Command::Tokenize { .. }
+            | Command::Ticket { .. }
+            | Command::Lanes { .. }
+            | Command::LaneDone { .. } => true,
         }
     }
 
@@ -387,6 +401,16 @@ impl Worker {
             Command::SetShadow { adapter, reply } => {
                 self.shadow = adapter;
                 let _ = reply.send(Ok(()));
+            }
+            Command::Ticket { group, reply } => {
+                let r = match self.tickets.get_mut(&group) {
+                    Some((_, next)) => {
+                        *next += 1;
+                        Ok(*next - 1)
+                    }
+                    None => Err(Error::Invalid(format!("no open lane group {group}"))),
+                };
+                let _ = reply.send(r);
             }
             Command::Lanes { .. } | Command::LaneDone { .. } => {}
         }
