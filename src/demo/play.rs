@@ -208,6 +208,9 @@ pub fn play(
     })
 }
 
+/// A job waiting in a queue of [`on_engines`] with its index; taken (`None`) once a lane drew it.
+type Queued<J> = Mutex<Option<(usize, J)>>;
+
 /// Runs `work` on every job and returns the results in the order of `jobs`, calling `tick`
 /// after each. Every engine opens as many lanes as it generates sessions at once
 /// ([`Engine::lanes`]), each on its own thread with its own `init()` state (a store
@@ -239,7 +242,7 @@ pub(super) fn on_engines<J: Send, R: Send, S>(
     let per_engine = per_engine.min(jobs.len().div_ceil(n_engines).max(1));
     let n_jobs = jobs.len();
     // each engine's queue (one shared queue for canonical play), in job order
-    let queues: Vec<Vec<Mutex<Option<(usize, J)>>>> = if one_lane {
+    let queues: Vec<Vec<Queued<J>>> = if one_lane {
         vec![jobs
             .into_iter()
             .enumerate()
