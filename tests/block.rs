@@ -1033,6 +1033,20 @@ fn a_merged_export_serves_in_llama_cpp_what_turnwise_served() {
         .set_adapter(Some((1, Arc::new(full.clone()))))
         .unwrap();
     let turnwise_replies = play(&served, 20);
+    // one reply on an adapter whose block LoRA is not the one served is refused
+    let no_block = Adapter::fresh(n_embd, n_vocab, 8, 16.0, 5, "SmolLM2-135M-Instruct");
+    let refused = served
+        .generate_with(
+            40,
+            msgs(requests[0]),
+            greedy.clone(),
+            (2, Arc::new(no_block)),
+        )
+        .err();
+    assert!(
+        matches!(&refused, Some(turnwise::Error::Invalid(m)) if m.contains("block LoRA")),
+        "{refused:?}"
+    );
     drop(served);
 
     let other = turnwise::Engine::start(turnwise::EngineConfig::new(&merged)).unwrap();

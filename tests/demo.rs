@@ -634,6 +634,7 @@ fn information_gain_scored_while_playing_matches_rescoring_the_log() {
                 ig_policy: IgPolicy::Frozen,
                 id_slot: false,
                 canonical: false,
+                adapter: None,
             };
             let log = LogMeta {
                 group: format!("{ctx:?}{k}"),

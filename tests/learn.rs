@@ -843,7 +843,36 @@ fn a_shadow_adapter_knows_whether_it_would_have_written_the_same_reply() {
     assert_eq!(reply(&base, Some(&base), &sampled).shadow_agrees, None);
     // an adapter of another model's shapes is refused as a shadow
     let wrong = Adapter::fresh(h.n_embd() + 1, h.n_vocab(), 8, 16.0, 0, "other");
-    assert!(engine.set_shadow(Some(Arc::new(wrong))).is_err());
+    assert!(engine.set_shadow(Some(Arc::new(wrong.clone()))).is_err());
+    // one reply on another adapter than the engine's (`generate_with`): the reply that adapter
+    // writes when it is the engine's, and the next reply is on the engine's own again
+    let large_own = reply(&large, None, &greedy);
+    engine
+        .set_adapter(Some((1, Arc::new(base.clone()))))
+        .unwrap();
+    engine.set_shadow::<Adapter>(None).unwrap();
+    let msgs = vec![
+        Message::new(Role::System, "You are a support agent."),
+        Message::new(Role::User, "Where is my order 48213? It was due last week."),
+    ];
+    let g = engine
+        .generate_with(
+            8,
+            msgs.clone(),
+            greedy.clone(),
+            (2, Arc::new(large.clone())),
+        )
+        .unwrap();
+    engine.close(8);
+    assert_eq!(g.reply.tokens, large_own.tokens);
+    let g = engine
+        .generate(9, msgs.clone(), greedy.clone(), None)
+        .unwrap();
+    engine.close(9);
+    assert_eq!(g.reply.tokens, own.tokens);
+    assert!(engine
+        .generate_with(10, msgs, greedy, (3, Arc::new(wrong)))
+        .is_err());
 }
 
 /// Information gain scored by the policy that samples (`IgPolicy::Sampling`): the engine adds

@@ -75,6 +75,7 @@ impl Demo<'_> {
             ig_policy: self.cfg.ig_policy,
             id_slot: self.cfg.id_slot,
             canonical: false,
+            adapter: None,
         };
         Job {
             scenario: scenario.clone(),
@@ -97,6 +98,47 @@ impl Demo<'_> {
             .collect())
     }
 
+    /// Greedy play of the engines' current adapter (the candidate, with the active adapter as
+    /// the shadow) on each of `scenarios`, and where the shadow disagreed somewhere, the same
+    /// scenario replayed with `active`'s output term (its block LoRA is the engines'), on the
+    /// same lane right after.
+    fn validate_with_replays(
+        &mut self,
+        scenarios: &[Scenario],
+        active: (i64, Arc<Adapter>),
+    ) -> Result<Vec<GatePlay>> {
+        let jobs: Vec<(Job, Job)> = scenarios
+            .iter()
+            .map(|s| {
+                let cand = self.greedy_job(s);
+                let mut replay = self.greedy_job(s);
+                replay.how.adapter = Some(active.clone());
+                (cand, replay)
+            })
+            .collect();
+        let (db, library) = (&self.db, self.library.as_ref());
+        on_engines(
+            self.engines,
+            jobs,
+            false,
+            || Store::open(db),
+            |engine, store, (cand, replay)| {
+                let c = play(engine, store, &cand.scenario, &cand.how, None, library)?;
+                let r = if c.shadow_agrees == Some(true) {
+                    None
+                } else {
+                    let r = play(engine, store, &replay.scenario, &replay.how, None, library)?;
+                    Some((r.desk.success(), r.desk.reward()))
+                };
+                Ok(GatePlay {
+                    candidate: (c.desk.success(), c.desk.reward()),
+                    active: r,
+                })
+            },
+            &mut || {},
+        )
+    }
+
     /// The validation gate: greedy (success, reward) of the candidate and of the active adapter
     /// on the same fresh validation-template scenarios (unseen phrasings: a candidate that got
     /// better on the training phrasings and worse on new ones is measured, and rejected, as the
@@ -105,7 +147,9 @@ impl Demo<'_> {
     /// winner's curse): measured, a fixed 16-scenario set rejected every later candidate. With
     /// [`DemoConfig::shadow_gate`] the active adapter plays only the scenarios where it would
     /// have chosen another token somewhere along the candidate's session (the rest are the
-    /// same sessions); the iteration's `gate_replayed` says how many. The engine is back on the
+    /// same sessions), each right after that session on the same lane, with the active
+    /// adapter's output term for its replies only ([`Engine::generate_with`]); the iteration's
+    /// `gate_replayed` says how many. The engine is back on the
     /// active adapter, without a shadow, afterwards.
     pub(super) fn validation_gate(&mut self, candidate: i64) -> Result<gate::Validation> {
         let mut scenarios: Vec<Scenario> = if self.cfg.stratify {
@@ -133,23 +177,40 @@ impl Demo<'_> {
         } else {
             None
         };
-        let cand = self
-            .set_shadow(shadow.clone())
-            .and_then(|()| self.validate(&scenarios));
-        let restored = self
-            .set_shadow(None)
-            .and_then(|()| self.set_adapter(self.active.clone()));
-        let cand = cand?;
-        restored?;
-        let replay: Vec<usize> = (0..scenarios.len())
-            .filter(|&i| shadow.is_none() || !cand[i].2)
-            .collect();
-        let again: Vec<Scenario> = replay.iter().map(|&i| scenarios[i].clone()).collect();
-        let mut current: Vec<(bool, f64)> = cand.iter().map(|c| (c.0, c.1)).collect();
-        for (&i, r) in replay.iter().zip(self.validate(&again)?) {
-            current[i] = (r.0, r.1);
-        }
-        self.gate_replayed = Some((replay.len(), scenarios.len()));
+        let (cand, current, replayed) = match (shadow.is_some(), self.active.clone()) {
+            // each scenario's replay right after its candidate session, on the same lane with
+            // the active adapter for its replies only: one phase, no lane idle in between
+            (true, Some(active)) => {
+                let played = self
+                    .set_shadow(shadow)
+                    .and_then(|()| self.validate_with_replays(&scenarios, active));
+                let restored = self
+                    .set_shadow(None)
+                    .and_then(|()| self.set_adapter(self.active.clone()));
+                let played = played?;
+                restored?;
+                let replayed = played.iter().filter(|p| p.active.is_some()).count();
+                let cand: Vec<(bool, f64)> = played.iter().map(|p| p.candidate).collect();
+                let current = played
+                    .iter()
+                    .map(|p| p.active.unwrap_or(p.candidate))
+                    .collect();
+                (cand, current, replayed)
+            }
+            _ => {
+                let cand = self.validate(&scenarios);
+                let restored = self.set_adapter(self.active.clone());
+                let cand: Vec<(bool, f64)> = cand?.iter().map(|c| (c.0, c.1)).collect();
+                restored?;
+                let current: Vec<(bool, f64)> = self
+                    .validate(&scenarios)?
+                    .iter()
+                    .map(|r| (r.0, r.1))
+                    .collect();
+                (cand, current, scenarios.len())
+            }
+        };
+        self.gate_replayed = Some((replayed, scenarios.len()));
         let mean = |v: &[(bool, f64)]| {
             let n = v.len().max(1) as f64;
             let s = v.iter().filter(|x| x.0).count() as f64;
@@ -159,7 +220,7 @@ impl Demo<'_> {
             }
         };
         Ok(gate::Validation {
-            candidate: mean(&cand.iter().map(|c| (c.0, c.1)).collect::<Vec<_>>()),
+            candidate: mean(&cand),
             active: mean(&current),
             scenarios: scenarios.len(),
         })
@@ -252,4 +313,12 @@ impl Demo<'_> {
         progress(Progress::Done(label));
         Ok(rate)
     }
+}
+
+/// One validation scenario of the gate: (success, reward) of the candidate's greedy session,
+/// and of the active adapter's where it was replayed (`None`: it would have played the same
+/// session).
+pub(super) struct GatePlay {
+    candidate: (bool, f64),
+    active: Option<(bool, f64)>,
 }

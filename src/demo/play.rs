@@ -62,6 +62,9 @@ pub struct PlaySettings {
     /// other session beside it, so that its transcript depends only on the model file, the
     /// adapter, the scenario and the thread count (the held-out evaluations)
     pub canonical: bool,
+    /// play with this output adapter instead of the engine's ([`Engine::generate_with`]; its
+    /// block LoRA must be the engine's; not with `score_reference`)
+    pub adapter: Option<(i64, Arc<Adapter>)>,
 }
 
 /// How a played session is logged.
@@ -88,6 +91,11 @@ pub fn play(
     library: Option<&Library>,
 ) -> Result<Played> {
     let (patience, params, key) = (how.patience, &how.params, how.key);
+    if how.adapter.is_some() && how.score_reference {
+        return Err(Error::Invalid(
+            "a session played on its own adapter does not score the reference".into(),
+        ));
+    }
     if how.canonical {
         engine.reset()?;
     }
@@ -151,7 +159,12 @@ pub fn play(
                 Some(lp) if after_observation || lp.is_empty() => {
                     engine.generate_scoring(key, msgs, p.clone(), &reference, adapted)?
                 }
-                _ => engine.generate(key, msgs, p.clone(), None)?,
+                _ => match &how.adapter {
+                    Some((id, a)) => {
+                        engine.generate_with(key, msgs, p.clone(), (*id, a.clone()))?
+                    }
+                    None => engine.generate(key, msgs, p.clone(), None)?,
+                },
             };
             if let (Some(lp), Some(x)) = (reference_logp.as_mut(), gen.reference_logp) {
                 lp.push(x);

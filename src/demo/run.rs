@@ -155,6 +155,7 @@ impl<'a> Demo<'a> {
                     ig_policy: self.cfg.ig_policy,
                     id_slot: self.cfg.id_slot,
                     canonical: false,
+                    adapter: None,
                 };
                 jobs.push(Job {
                     scenario: s.clone(),

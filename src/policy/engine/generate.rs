@@ -8,22 +8,32 @@ impl Worker {
     /// Takes a generation request: appends the messages, scores the reference, brings a free
     /// sequence up to the prompt and samples the first token; the request is then answered (it
     /// failed, or the reply ended at once) or in flight.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn start_generation(
         &mut self,
-        session: u64,
-        messages: Vec<Message>,
-        params: SamplerParams,
-        stream: Option<UnboundedSender<String>>,
-        reference: Option<(String, bool)>,
+        req: Request,
         reply: Reply1<Generation>,
         lane: Option<u32>,
     ) {
+        let Request {
+            session,
+            messages,
+            params,
+            stream,
+            reference,
+            adapter,
+        } = req;
         let previous = self.sessions.get(&session).cloned();
         let t_admit = Instant::now();
         let started = (|| {
             if params.max_tokens == 0 {
                 return Err(Error::Invalid("max_tokens must be at least 1".into()));
+            }
+            if let Some((id, a)) = &adapter {
+                if a.block_gguf().as_ref() != self.lora.as_ref().map(|l| &l.0) {
+                    return Err(Error::Invalid(format!(
+                        "adapter {id} for one reply has another block LoRA than the engine serves"
+                    )));
+                }
             }
             let (prompt, conv) = self.append(session, messages, true, params.max_tokens)?;
             if self.park_enabled {
@@ -104,7 +114,7 @@ impl Worker {
             hidden: Vec::with_capacity(params.max_tokens.min(4096) * self.n_embd),
             visible_len: None,
             streamed: 0,
-            adapter: self.adapter.clone(),
+            adapter: adapter.or_else(|| self.adapter.clone()),
             shadow: self.shadow.clone().filter(|_| params.temperature <= 0.0),
             shadow_agrees: true,
             context_len,

@@ -184,6 +184,7 @@ impl Engine {
             params,
             stream,
             reference: None,
+            adapter: None,
             reply,
         }))
     }
@@ -211,6 +212,36 @@ impl Engine {
             params,
             stream: None,
             reference,
+            adapter: None,
+            reply,
+        }))
+    }
+
+    /// [`Engine::generate`] with `adapter`'s output term instead of the engine's current
+    /// adapter, for this reply only: replies on two adapters can then share decoding steps (the
+    /// demo's validation gate replays the active adapter beside the candidate's sessions). The
+    /// adapter's block LoRA, if any, must be the one the engine serves: llama.cpp applies that
+    /// to every row of a step alike.
+    ///
+    /// # Errors
+    /// As [`Engine::generate`]; [`Error::Invalid`] when the adapter does not fit the model or
+    /// its block LoRA is not the engine's.
+    pub fn generate_with<A: ServedAdapter + 'static>(
+        &self,
+        session: u64,
+        messages: Vec<Message>,
+        params: SamplerParams,
+        adapter: (i64, Arc<A>),
+    ) -> Result<Generation> {
+        adapter.1.check_model(self.info.n_embd, self.info.n_vocab)?;
+        let adapter = Some((adapter.0, adapter.1 as Arc<dyn ServedAdapter>));
+        Self::wait(self.call(|reply| Command::Generate {
+            session,
+            messages,
+            params,
+            stream: None,
+            reference: None,
+            adapter,
             reply,
         }))
     }
@@ -232,6 +263,7 @@ impl Engine {
             params,
             stream,
             reference: None,
+            adapter: None,
             reply,
         });
         rx.await.map_err(|_| Error::EngineGone)?

@@ -216,6 +216,18 @@ struct Envelope {
     cmd: Command,
 }
 
+/// What a generation request asks for (a [`Command::Generate`] less its reply channel).
+struct Request {
+    session: u64,
+    messages: Vec<Message>,
+    params: SamplerParams,
+    stream: Option<UnboundedSender<String>>,
+    /// a reference scored after the prompt (text, with the adapter)
+    reference: Option<(String, bool)>,
+    /// the output adapter for this reply, when not the engine's
+    adapter: Option<(i64, Arc<dyn ServedAdapter>)>,
+}
+
 enum Command {
     Generate {
         session: u64,
@@ -223,6 +235,8 @@ enum Command {
         params: SamplerParams,
         stream: Option<UnboundedSender<String>>,
         reference: Option<(String, bool)>,
+        /// an output adapter for this reply instead of the engine's ([`Engine::generate_with`])
+        adapter: Option<(i64, Arc<dyn ServedAdapter>)>,
         reply: Reply1<Generation>,
     },
     Append {

@@ -276,9 +276,18 @@ impl Worker {
                 params,
                 stream,
                 reference,
+                adapter,
                 reply,
             } => {
-                self.start_generation(session, messages, params, stream, reference, reply, lane);
+                let req = Request {
+                    session,
+                    messages,
+                    params,
+                    stream,
+                    reference,
+                    adapter,
+                };
+                self.start_generation(req, reply, lane);
             }
             Command::Append {
                 session,
