@@ -160,6 +160,10 @@ impl Engine {
         rx
     }
 
+    fn request(&self, req: Request) -> oneshot::Receiver<Result<Generation>> {
+        self.call(|reply| Command::Generate { req, reply })
+    }
+
     fn wait<T>(rx: oneshot::Receiver<Result<T>>) -> Result<T> {
         rx.blocking_recv().map_err(|_| Error::EngineGone)?
     }
@@ -178,15 +182,7 @@ impl Engine {
         params: SamplerParams,
         stream: Option<UnboundedSender<String>>,
     ) -> Result<Generation> {
-        Self::wait(self.call(|reply| Command::Generate {
-            session,
-            messages,
-            params,
-            stream,
-            reference: None,
-            adapter: None,
-            reply,
-        }))
+        Self::wait(self.request(Request::new(session, messages, params, stream)))
     }
 
     /// [`Engine::generate`] that first scores `reference` as the assistant's reply to the
@@ -206,14 +202,9 @@ impl Engine {
         with_adapter: bool,
     ) -> Result<Generation> {
         let reference = Some((reference.to_string(), with_adapter));
-        Self::wait(self.call(|reply| Command::Generate {
-            session,
-            messages,
-            params,
-            stream: None,
+        Self::wait(self.request(Request {
             reference,
-            adapter: None,
-            reply,
+            ..Request::new(session, messages, params, None)
         }))
     }
 
@@ -235,14 +226,9 @@ impl Engine {
     ) -> Result<Generation> {
         adapter.1.check_model(self.info.n_embd, self.info.n_vocab)?;
         let adapter = Some((adapter.0, adapter.1 as Arc<dyn ServedAdapter>));
-        Self::wait(self.call(|reply| Command::Generate {
-            session,
-            messages,
-            params,
-            stream: None,
-            reference: None,
+        Self::wait(self.request(Request {
             adapter,
-            reply,
+            ..Request::new(session, messages, params, None)
         }))
     }
 
@@ -257,15 +243,7 @@ impl Engine {
         params: SamplerParams,
         stream: Option<UnboundedSender<String>>,
     ) -> Result<Generation> {
-        let rx = self.call(|reply| Command::Generate {
-            session,
-            messages,
-            params,
-            stream,
-            reference: None,
-            adapter: None,
-            reply,
-        });
+        let rx = self.request(Request::new(session, messages, params, stream));
         rx.await.map_err(|_| Error::EngineGone)?
     }
 

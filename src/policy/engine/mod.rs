@@ -224,19 +224,32 @@ struct Request {
     stream: Option<UnboundedSender<String>>,
     /// a reference scored after the prompt (text, with the adapter)
     reference: Option<(String, bool)>,
-    /// the output adapter for this reply, when not the engine's
+    /// an output adapter for this reply instead of the engine's ([`Engine::generate_with`])
     adapter: Option<(i64, Arc<dyn ServedAdapter>)>,
 }
 
-enum Command {
-    Generate {
+impl Request {
+    /// A reply on the engine's adapter, with no reference.
+    fn new(
         session: u64,
         messages: Vec<Message>,
         params: SamplerParams,
         stream: Option<UnboundedSender<String>>,
-        reference: Option<(String, bool)>,
-        /// an output adapter for this reply instead of the engine's ([`Engine::generate_with`])
-        adapter: Option<(i64, Arc<dyn ServedAdapter>)>,
+    ) -> Self {
+        Request {
+            session,
+            messages,
+            params,
+            stream,
+            reference: None,
+            adapter: None,
+        }
+    }
+}
+
+enum Command {
+    Generate {
+        req: Request,
         reply: Reply1<Generation>,
     },
     Append {

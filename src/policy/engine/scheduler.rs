@@ -249,7 +249,7 @@ impl Worker {
     /// on the adapter they started with).
     pub(super) fn can_start(&self, cmd: &Command) -> bool {
         match cmd {
-            Command::Generate { session, .. } => !self.generating(*session) && self.free_slot(),
+            Command::Generate { req, .. } => !self.generating(req.session) && self.free_slot(),
             Command::Append { session, .. }
             | Command::Tokens { session, .. }
             | Command::Close { session }
@@ -270,25 +270,7 @@ impl Worker {
     pub(super) fn execute(&mut self, e: Envelope) {
         let lane = e.lane;
         match e.cmd {
-            Command::Generate {
-                session,
-                messages,
-                params,
-                stream,
-                reference,
-                adapter,
-                reply,
-            } => {
-                let req = Request {
-                    session,
-                    messages,
-                    params,
-                    stream,
-                    reference,
-                    adapter,
-                };
-                self.start_generation(req, reply, lane);
-            }
+            Command::Generate { req, reply } => self.start_generation(req, reply, lane),
             Command::Append {
                 session,
                 messages,
