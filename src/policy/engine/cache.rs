@@ -38,6 +38,7 @@ impl Worker {
             self.truncate_cache(s, 0);
         }
         self.parked.clear();
+        self.override_checked = None;
         self.lora = loaded;
         Ok(())
     }

@@ -29,10 +29,19 @@ impl Worker {
                 return Err(Error::Invalid("max_tokens must be at least 1".into()));
             }
             if let Some((id, a)) = &adapter {
-                if a.block_gguf().as_ref() != self.lora.as_ref().map(|l| &l.0) {
-                    return Err(Error::Invalid(format!(
-                        "adapter {id} for one reply has another block LoRA than the engine serves"
-                    )));
+                // checked once per adapter and block LoRA: the check serialises the adapter's
+                // block part, and a replay asks with the same adapter at every turn
+                let known = self
+                    .override_checked
+                    .as_ref()
+                    .is_some_and(|c| Arc::ptr_eq(c, a));
+                if !known {
+                    if a.block_gguf().as_ref() != self.lora.as_ref().map(|l| &l.0) {
+                        return Err(Error::Invalid(format!(
+                            "adapter {id} for one reply has another block LoRA than the engine serves"
+                        )));
+                    }
+                    self.override_checked = Some(a.clone());
                 }
             }
             let (prompt, conv) = self.append(session, messages, true, params.max_tokens)?;

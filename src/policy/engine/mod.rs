@@ -526,6 +526,9 @@ struct Worker {
     queue: VecDeque<Envelope>,
     /// open lanes ([`Engine::lanes`])
     lanes: BTreeSet<u32>,
+    /// the last adapter of a single reply ([`Engine::generate_with`]) found to carry the block
+    /// LoRA the engine serves (dropped when that changes)
+    override_checked: Option<Arc<dyn ServedAdapter>>,
     /// per group of lanes (its first lane id): how many lanes it has and the next ticket
     tickets: HashMap<u32, (u32, u64)>,
     /// N of the captured `l_out-N` (block capture on)

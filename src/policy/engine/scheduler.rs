@@ -110,6 +110,7 @@ impl Worker {
             queue: VecDeque::new(),
             lanes: BTreeSet::new(),
             tickets: HashMap::new(),
+            override_checked: None,
             ctx,
             model,
             info,
