@@ -147,9 +147,9 @@ pub struct DemoArgs {
     /// versions)
     #[arg(long, value_enum, default_value_t = IgContext::Observation)]
     ig_context: IgContext,
-    /// Which policy scores information gain: the base model (frozen) or the active adapter
-    /// that sampled the rollout (sampling)
-    #[arg(long, value_enum, default_value_t = IgPolicy::Frozen)]
+    /// Which policy scores information gain: the active adapter that sampled the rollout
+    /// (sampling, as the released A²TGPO code scores it) or the base model, adapter off (frozen)
+    #[arg(long, value_enum, default_value_t = IgPolicy::Sampling)]
     ig_policy: IgPolicy,
     /// Whether information gain is the change of the reference's mean log-prob (logprob, the
     /// released code's) or of its probability (prob, the paper's: bounded by 1 per turn)

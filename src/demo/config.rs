@@ -15,7 +15,7 @@ pub const ON_POLICY_ITERATIONS: usize = 3;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum ProcessSignal {
-    /// information gain of the ground-truth action (teacher-forced, frozen policy)
+    /// information gain of the ground-truth action (teacher-forced, scored by the policy `ig_policy` names)
     InfoGain,
     /// the value head's success contribution V(s_t+1) − V(s_t)
     Contribution,
@@ -93,8 +93,8 @@ pub struct DemoConfig {
     /// brought back (the default: IGPO's and A²TGPO's interaction turn), or right after the
     /// reply (the earlier versions of this demo)
     pub ig_context: IgContext,
-    /// which policy scores information gain: the base model (frozen, the default) or the
-    /// active adapter that sampled the rollout
+    /// which policy scores information gain: the active adapter that sampled the rollout
+    /// (sampling, the default) or the base model (frozen)
     pub ig_policy: IgPolicy,
     /// information gain as a change of log-prob (the default) or of probability
     pub ig_space: IgSpace,
@@ -174,7 +174,7 @@ impl DemoConfig {
             restate: true,
             process: ProcessSignal::InfoGain,
             ig_context: IgContext::Observation,
-            ig_policy: IgPolicy::Frozen,
+            ig_policy: IgPolicy::Sampling,
             ig_space: IgSpace::Logprob,
             gate_kl: crate::learn::gate::DEFAULT_KL_BOUND,
             eval_every: 0,
